@@ -1,0 +1,179 @@
+// llmpar/core/dtype.hpp — f32, bf16 and f16 on host and device, and the runtime tag.
+//
+// bf16 and f16 are 16-bit storage types with round-to-nearest-even conversions from
+// float, written once as host/device functions so that a value rounded by a CPU kernel
+// is bit-identical to one rounded by a CUDA kernel. Arithmetic happens in float: these
+// types only convert. DType is the one runtime-to-type boundary (checkpoints and
+// collectives name their element type with it).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+#include "llmpar/config.hpp"
+
+namespace llmpar {
+
+namespace detail {
+
+LLMPAR_HOST_DEVICE std::uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return __builtin_bit_cast(std::uint32_t, f);
+#endif
+}
+
+LLMPAR_HOST_DEVICE float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return __builtin_bit_cast(float, u);
+#endif
+}
+
+// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN of the same sign.
+LLMPAR_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
+  std::uint32_t x = float_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
+  x += 0x7FFFu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>(x >> 16);
+}
+
+LLMPAR_HOST_DEVICE float bf16_bits_to_float(std::uint16_t h) {
+  return bits_float(static_cast<std::uint32_t>(h) << 16);
+}
+
+// float -> IEEE binary16 bits, round to nearest even, with subnormals, inf and NaN.
+LLMPAR_HOST_DEVICE std::uint16_t float_to_f16_bits(float f) {
+  std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x7F800000u) return static_cast<std::uint16_t>(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (x >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half (or zero)
+    const int exponent = static_cast<int>(x >> 23);
+    const int shift = 126 - exponent;  // mantissa with implicit bit, in units of 2^-24
+    if (shift > 24) return static_cast<std::uint16_t>(sign);
+    const std::uint32_t mantissa = (x & 0x7FFFFFu) | 0x800000u;
+    std::uint32_t r = mantissa >> shift;
+    const std::uint32_t rem = mantissa & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  const std::uint32_t rebased = x - (112u << 23);  // exponent bias 127 -> 15
+  std::uint32_t r = rebased >> 13;
+  const std::uint32_t rem = rebased & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return static_cast<std::uint16_t>(sign | r);
+}
+
+LLMPAR_HOST_DEVICE float f16_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1Fu;
+  const std::uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) return bits_float(sign | 0x7F800000u | (mantissa << 13));
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+}  // namespace detail
+
+// Brain float 16: 8 exponent bits, 7 mantissa bits.
+struct bf16 {
+  std::uint16_t bits;
+
+  bf16() = default;
+  LLMPAR_HOST_DEVICE explicit bf16(float f) : bits(detail::float_to_bf16_bits(f)) {}
+  LLMPAR_HOST_DEVICE explicit operator float() const { return detail::bf16_bits_to_float(bits); }
+  LLMPAR_HOST_DEVICE static bf16 from_bits(std::uint16_t b) {
+    bf16 v;
+    v.bits = b;
+    return v;
+  }
+};
+
+// IEEE binary16: 5 exponent bits, 10 mantissa bits, max 65504.
+struct f16 {
+  std::uint16_t bits;
+
+  f16() = default;
+  LLMPAR_HOST_DEVICE explicit f16(float f) : bits(detail::float_to_f16_bits(f)) {}
+  LLMPAR_HOST_DEVICE explicit operator float() const { return detail::f16_bits_to_float(bits); }
+  LLMPAR_HOST_DEVICE static f16 from_bits(std::uint16_t b) {
+    f16 v;
+    v.bits = b;
+    return v;
+  }
+};
+
+static_assert(sizeof(bf16) == 2 && std::is_trivially_copyable_v<bf16>);
+static_assert(sizeof(f16) == 2 && std::is_trivially_copyable_v<f16>);
+
+// Converts between any two of float, bf16, f16 (float is the hub).
+template <class To, class From>
+LLMPAR_HOST_DEVICE To convert(From x) {
+  if constexpr (std::is_same_v<To, From>) {
+    return x;
+  } else if constexpr (std::is_same_v<To, float>) {
+    return static_cast<float>(x);
+  } else if constexpr (std::is_same_v<From, float>) {
+    return To(x);
+  } else {
+    return To(static_cast<float>(x));
+  }
+}
+
+// The runtime element-type tag.
+enum class DType : std::uint8_t { f32, bf16, f16, i32, i64, u8 };
+
+template <class T>
+inline constexpr bool kIsFloating =
+    std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+namespace detail {
+template <class T>
+inline constexpr bool kNoDType = false;
+}  // namespace detail
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_same_v<T, bf16>) return DType::bf16;
+  else if constexpr (std::is_same_v<T, f16>) return DType::f16;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return DType::i32;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return DType::i64;
+  else if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, std::byte>) return DType::u8;
+  else static_assert(detail::kNoDType<T>, "llmpar: this element type has no DType; use float, bf16, f16, int32, int64 or bytes");
+}
+
+constexpr std::size_t size_of(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+    case DType::u8: return 1;
+  }
+  return 0;
+}
+
+constexpr std::string_view name_of(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::u8: return "u8";
+  }
+  return "?";
+}
+
+}  // namespace llmpar
