@@ -1,0 +1,103 @@
+// bench_train_step — one full training step of GPT-2 124M in fp32 on the CPU
+// (forward, backward, AdamW), at B=4, T=64 by default, and its parts.
+//
+// MFU is reported as model FLOPs (6N + 6·L·C·T per token, the llm.c convention) over
+// the sgemm peak measured at the start of this same run, so the figure is relative to
+// what the machine's GEMM library can actually do. Compare with PyTorch through
+// benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
+#include <benchmark/benchmark.h>
+
+#include <llmpar/llmpar.hpp>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+using namespace llmpar;
+
+namespace {
+
+struct StepFixture {
+  backend::cpu::Context ctx;
+  models::GPT2Config cfg;
+  std::int64_t batch, seq;
+  std::unique_ptr<models::GPT2<float>> model;
+  std::unique_ptr<optim::AdamW<float>> opt;
+  std::vector<std::int32_t> tokens, targets;
+
+  StepFixture(const std::string& preset, std::int64_t b, std::int64_t s)
+      : cfg(models::GPT2Config::preset(preset)), batch(b), seq(s) {
+    model = std::make_unique<models::GPT2<float>>(cfg, 1337);
+    opt = std::make_unique<optim::AdamW<float>>(model->parameter_store(), optim::AdamWConfig{});
+    const auto stream = rng::Stream::named(1, "bench tokens");
+    for (std::int64_t i = 0; i <= b * s; ++i)
+      tokens.push_back(static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % cfg.vocab));
+    targets.assign(tokens.begin() + 1, tokens.end());
+    tokens.pop_back();
+  }
+  double flops_per_step() const {
+    return train::flops_per_token(model->num_parameters(), cfg.layers, cfg.dim, seq) * static_cast<double>(batch * seq);
+  }
+};
+
+void set_counters(benchmark::State& state, double flops, double peak_gflops) {
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.range(0) * state.range(1)),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+  // MFU: model FLOPs per second over the measured sgemm peak.
+  state.counters["MFU"] = benchmark::Counter(flops / (peak_gflops * 1e9), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_all(double peak_gflops) {
+  auto step = [peak_gflops](benchmark::State& state) {
+    StepFixture f("gpt2-124m", state.range(0), state.range(1));
+    for (auto _ : state) {
+      f.model->zero_grad();
+      benchmark::DoNotOptimize(f.model->forward(f.ctx, f.tokens.data(), f.targets.data(), f.batch, f.seq));
+      f.model->backward(f.ctx);
+      f.opt->step(1e-4f);
+    }
+    set_counters(state, f.flops_per_step(), peak_gflops);
+  };
+  benchmark::RegisterBenchmark("gpt2_124m/train_step", step)->Args({4, 64})->Unit(benchmark::kMillisecond)
+      ->UseRealTime()->Iterations(5);
+
+  auto fwd_bwd = [peak_gflops](benchmark::State& state) {
+    StepFixture f("gpt2-124m", state.range(0), state.range(1));
+    for (auto _ : state) {
+      f.model->zero_grad();
+      benchmark::DoNotOptimize(f.model->forward(f.ctx, f.tokens.data(), f.targets.data(), f.batch, f.seq));
+      f.model->backward(f.ctx);
+    }
+    set_counters(state, f.flops_per_step(), peak_gflops);
+  };
+  benchmark::RegisterBenchmark("gpt2_124m/forward_backward", fwd_bwd)->Args({4, 64})->Unit(benchmark::kMillisecond)
+      ->UseRealTime()->Iterations(5);
+
+  auto adamw = [](benchmark::State& state) {
+    StepFixture f("gpt2-124m", state.range(0), state.range(1));
+    for (auto _ : state) f.opt->step(1e-4f);
+    // Reads param, grad, m, v and writes param, m, v.
+    state.counters["GB/s"] = benchmark::Counter(7.0 * 4.0 * static_cast<double>(f.model->num_parameters()) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  };
+  benchmark::RegisterBenchmark("gpt2_124m/adamw", adamw)->Args({4, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  double peak = 0.0;
+  {
+    backend::cpu::Context ctx;
+    peak = backend::cpu::measure_sgemm_peak_gflops(ctx);
+  }
+  std::printf("measured sgemm peak: %.1f GFLOP/s (oneDNN, square 1536, best of 4)\n", peak);
+  benchmark::AddCustomContext("sgemm_peak_gflops", std::to_string(peak));
+  register_all(peak);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,175 @@
+// train_gpt — trains a GPT-2 on token shards, or with no --data on the English text of
+// the Debian `fortunes` package, byte-tokenized. Prints one line per step, evaluates on
+// held-out text, writes JSON-lines metrics on request, and samples text at the end.
+//
+//   train_gpt                                  # gpt2-tiny on fortunes, about a minute
+//   train_gpt --model gpt2-124m --data 'data/fineweb_train_*.bin' --batch 4 --seq 64
+#include <CLI/CLI.hpp>
+
+#include <llmpar/llmpar.hpp>
+
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+
+using namespace llmpar;
+
+namespace {
+
+struct Options {
+  std::string model = "gpt2-tiny";
+  std::optional<std::int64_t> layers, heads, dim, seq, vocab;
+  std::string data, val_data;
+  std::int64_t steps = 300;
+  std::int64_t batch = 16;
+  std::int64_t grad_accum = 1;
+  float lr = 2e-3f;
+  std::int64_t warmup = 20;
+  float weight_decay = 0.1f;
+  float grad_clip = 1.0f;
+  std::uint64_t seed = 1337;
+  std::int64_t eval_every = 100;
+  std::int64_t eval_batches = 16;
+  std::string precision = "fp32";
+  std::string metrics;
+  std::int64_t sample_tokens = 320;
+  float temperature = 0.8f;
+  std::string prompt = "The ";
+  double peak_gflops = 0.0;
+};
+
+// The validation pattern llm.c uses: the train pattern with "train" replaced by "val".
+std::string default_val_pattern(const std::string& train) {
+  const auto pos = train.rfind("train");
+  LLMPAR_CHECK(pos != std::string::npos, "cannot derive validation shards from --data '", train,
+               "' (it does not contain 'train'); pass --val-data");
+  return train.substr(0, pos) + "val" + train.substr(pos + 5);
+}
+
+int run(const Options& o) {
+  LLMPAR_CHECK(o.precision == "fp32", "--precision ", o.precision, " is not available; this build trains in fp32");
+  models::GPT2Config cfg = models::GPT2Config::preset(o.model);
+  if (o.layers) cfg.layers = *o.layers;
+  if (o.heads) cfg.heads = *o.heads;
+  if (o.dim) cfg.dim = *o.dim;
+  if (o.vocab) {
+    cfg.vocab = *o.vocab;
+    cfg.padded_vocab = models::GPT2Config::pad_vocab(*o.vocab);
+  }
+  const std::int64_t seq = o.seq.value_or(std::min<std::int64_t>(cfg.max_seq, 128));
+  cfg.max_seq = std::max(cfg.max_seq, seq);
+  cfg.validate();
+
+  // Data: token shards, or the embedded corpus.
+  std::optional<data::TokenDataset> train_set, val_set;
+  if (o.data.empty()) {
+    const data::TextCorpus corpus = data::load_text_corpus();
+    std::printf("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
+                corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
+                static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
+    LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
+                 ", the model has ", cfg.vocab);
+    train_set.emplace(data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)"));
+    val_set.emplace(data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)"));
+  } else {
+    train_set.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
+    val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? default_val_pattern(o.data) : o.val_data,
+                                                    static_cast<int>(cfg.vocab)));
+    std::printf("data: %lld train tokens in %zu shards, %lld val tokens\n",
+                static_cast<long long>(train_set->num_tokens()), train_set->num_shards(),
+                static_cast<long long>(val_set->num_tokens()));
+  }
+  const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
+  data::DataLoader train_loader(*train_set, lc);
+  data::DataLoader val_loader(*val_set, lc);
+
+  backend::cpu::Context ctx;
+  models::GPT2<float> model(cfg, o.seed);
+  const double peak = o.peak_gflops > 0.0 ? o.peak_gflops : backend::cpu::measure_sgemm_peak_gflops(ctx);
+  std::printf("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
+              static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
+              static_cast<long long>(seq), static_cast<long long>(cfg.vocab),
+              static_cast<long long>(cfg.padded_vocab), static_cast<double>(model.num_parameters()) * 1e-6);
+  std::printf("train: %lld steps, batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
+              "MFU against measured sgemm peak %.1f GFLOP/s\n",
+              static_cast<long long>(o.steps), static_cast<long long>(o.batch), static_cast<long long>(seq),
+              static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(o.warmup), peak);
+
+  train::MetricsWriter metrics(o.metrics);
+  metrics.write({{"type", "config"}, {"model", o.model}, {"layers", cfg.layers}, {"heads", cfg.heads},
+                 {"dim", cfg.dim}, {"seq", seq}, {"vocab", cfg.vocab}, {"padded_vocab", cfg.padded_vocab},
+                 {"parameters", model.num_parameters()}, {"batch", o.batch}, {"grad_accum", o.grad_accum},
+                 {"steps", o.steps}, {"lr", o.lr}, {"warmup", o.warmup}, {"seed", o.seed},
+                 {"precision", o.precision}, {"peak_gflops", peak}});
+
+  const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
+  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps};
+  train::Trainer<models::GPT2<float>> trainer(ctx, model, opt, schedule, train_loader,
+                                              {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak});
+  auto run_eval = [&](std::int64_t step) {
+    const double val = trainer.evaluate(val_loader, o.eval_batches);
+    val_loader.reset();
+    std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step), val);
+    metrics.write({{"type", "eval"}, {"step", step}, {"val_loss", val}});
+  };
+  if (o.eval_every > 0) run_eval(0);
+  trainer.fit([&](const train::StepStats& s) {
+    std::printf("%s\n", train::format_step(s, o.steps).c_str());
+    std::fflush(stdout);
+    metrics.write_step(s);
+    if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
+  });
+
+  if (o.sample_tokens > 0) {
+    LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256, "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
+                 "for models whose data used another tokenizer");
+    const data::ByteTokenizer tok;
+    std::vector<std::int32_t> prompt;
+    for (std::uint16_t t : tok.encode(o.prompt)) prompt.push_back(t);
+    const auto out = train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature,
+                                                        .seed = o.seed});
+    std::vector<std::uint16_t> ids(out.begin(), out.end());
+    std::printf("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature),
+                tok.decode(ids).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"train_gpt: train a GPT-2 with llmpar"};
+  app.add_option("--model", o.model, "Preset: gpt2-tiny (byte vocabulary) or gpt2-124m")->capture_default_str();
+  app.add_option("--layers", o.layers, "Override the preset's number of layers");
+  app.add_option("--heads", o.heads, "Override the preset's attention heads");
+  app.add_option("--dim", o.dim, "Override the preset's channels");
+  app.add_option("--seq", o.seq, "Sequence length T (default: min(preset, 128))");
+  app.add_option("--vocab", o.vocab, "Override the vocabulary size (padded to a multiple of 128)");
+  app.add_option("--data", o.data, "Glob of training shards (.bin); default: the fortunes corpus");
+  app.add_option("--val-data", o.val_data, "Glob of validation shards (default: --data with 'train' -> 'val')");
+  app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
+  app.add_option("--batch", o.batch, "Sequences per micro-batch")->capture_default_str();
+  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->capture_default_str();
+  app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10%")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--grad-clip", o.grad_clip, "Max global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed of initialisation and sampling")->capture_default_str();
+  app.add_option("--eval-every", o.eval_every, "Validate every N steps (0: never)")->capture_default_str();
+  app.add_option("--eval-batches", o.eval_batches, "Batches per validation")->capture_default_str();
+  app.add_option("--precision", o.precision, "Numeric precision")->check(CLI::IsMember({"fp32"}))->capture_default_str();
+  app.add_option("--metrics", o.metrics, "Write JSON lines of config, steps and evals to this file");
+  app.add_option("--sample-tokens", o.sample_tokens, "Tokens to sample at the end (0: none)")->capture_default_str();
+  app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();
+  app.add_option("--prompt", o.prompt, "Text the sample starts from")->capture_default_str();
+  app.add_option("--peak-gflops", o.peak_gflops, "MFU denominator (default: measure sgemm at start)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
+    return 1;
+  }
+}

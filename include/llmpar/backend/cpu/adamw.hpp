@@ -1,0 +1,56 @@
+// llmpar/backend/cpu/adamw.hpp — the AdamW update over a flat parameter range.
+//
+// Memory-bound: each element reads param, m, v, grad and writes param, m, v (28 bytes
+// in float), so the loop must run at memory bandwidth. The element math is the shared
+// math::adamw_step; the step's bias corrections are computed once here (in double)
+// rather than per element, which leaves only mul/add/div/sqrt in the loop and lets it
+// vectorize across `parallel for simd`. The hyper-parameters are copied to a local
+// first: through a reference the compiler must assume the float stores into params
+// could change hp.lr and would reload it every element. Element-wise, so the result
+// does not depend on the thread count.
+//
+// grad_scale multiplies every gradient before the update: 1 / loss_scale, the global
+// gradient-clipping factor, or 1 / accumulation_steps, folded into one multiply.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/config.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/math/adamw.hpp"
+
+namespace llmpar::backend::cpu {
+
+// params, m, v: (n), updated in place; grads: (n). step counts from 1.
+template <class T>
+void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RESTRICT v,
+                  const T* LLMPAR_RESTRICT grads, std::int64_t n, const math::AdamWParams& hp,
+                  int step, float grad_scale = 1.0f) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "adamw_update keeps parameters and moments in float (or double for tests); "
+                "low-precision weights are updated through their float master copy");
+  math::validate(hp);
+  LLMPAR_CHECK(n >= 0, "adamw_update: n = ", n, "; it must be >= 0");
+  LLMPAR_CHECK(std::isfinite(grad_scale), "adamw_update: grad_scale = ", grad_scale,
+               "; it must be finite (a non-finite scale means the step should be skipped)");
+  const math::AdamWBiasCorrections corrections = math::adamw_bias_corrections(hp, step);
+  const math::AdamWParams local = hp;
+  const T c1 = static_cast<T>(corrections.first);
+  const T c2 = static_cast<T>(corrections.second);
+  const T scale = static_cast<T>(grad_scale);
+#pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
+  for (std::int64_t i = 0; i < n; ++i) {
+    T p = params[i];
+    T mi = m[i];
+    T vi = v[i];
+    math::adamw_step(p, mi, vi, grads[i] * scale, local, c1, c2);
+    params[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+}  // namespace llmpar::backend::cpu

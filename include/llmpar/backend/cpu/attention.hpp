@@ -1,0 +1,362 @@
+// llmpar/backend/cpu/attention.hpp — causal multi-head self-attention, flash style.
+//
+//   out[b,t,h] = sum_{s<=t} softmax_s(q_t . k_s / sqrt(hs)) v_s      (per head h)
+//
+// Layout is GPT-2's (llm.c): qkv (B, T, 3C) straight from one fused linear, with
+// q = [0, C), k = [C, 2C), v = [2C, 3C) and head h at columns [h*hs, (h+1)*hs) of
+// each; out (B, T, C) with the same head layout. Nothing of size T x T is ever stored:
+//
+// Forward (FlashAttention, Dao et al. 2022). Queries are cut into tiles of kTile rows;
+// for each query tile the key/value tiles at or before it are visited in order and
+// every row keeps a math::OnlineSoftmax state plus an unnormalised output row, both
+// rescaled when a tile raises the row's max. Tiles strictly above the diagonal are
+// never touched and, in the diagonal tile, each row stops at its own position, so the
+// work is the causal T^2/2. The forward saves only out and lse = log-sum-exp of each
+// row's scaled scores, which is all the backward needs to recompute probabilities.
+//
+// Backward (FlashAttention-2). With D_t = dout_t . out_t, for each key tile (outer)
+// and the query rows at or after it (inner): p = exp(s - lse), dv += p dout,
+// dp = dout . v, ds = p (dp - D), dq += ds k scale, dk += ds q scale. One (b, h)
+// head is one task: its thread owns the head's dq, dk and dv, so nothing races and
+// nothing needs atomics; dq is summed over key tiles in tile order.
+//
+// Determinism: tiles are fixed by kTile, never by the thread count, and each output
+// element is produced by one thread in one fixed order, so results are bitwise
+// identical for any OMP_NUM_THREADS.
+//
+// Speed. A head's q/k/v rows sit 3C apart in qkv; each tile is first packed into a
+// contiguous acc_t<T> block (this also converts bf16/f16 once). All inner work is two
+// row kernels over contiguous hs-long rows that GCC vectorises: `dot_rows` (four dot
+// products at a time sharing one load of the left row) and `axpy_rows` (four
+// weighted rows folded into one accumulator row per pass). For the backward's
+// dk/dv updates the tile's p and ds are stored transposed, so they are the same
+// axpy_rows. hs = 32, 64 and 128 are compiled with hs known (fully unrolled inner
+// loops); other sizes take the same code with hs at run time. exp is math::fast_exp
+// (vectorisable). kTile = 64 keeps a packed k and v tile (2 x 64 x hs floats) in L1/L2.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/config.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/math/online_softmax.hpp"
+
+namespace llmpar::backend::cpu {
+
+namespace detail::attn {
+
+// Query rows per query tile and keys per key tile (equal, so every row of a visited
+// tile has at least one unmasked key: the diagonal tile starts at the row's tile).
+inline constexpr std::int64_t kTile = 64;
+
+// s[c] = scale * dot(a, b + c*hs) for c in [0, n).   a: (hs), b: (n, hs), s: (n)
+template <int kHs, class Acc>
+inline void dot_rows(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT b,
+                     std::int64_t n, std::int64_t hs_runtime, Acc scale) {
+  const std::int64_t hs = kHs > 0 ? kHs : hs_runtime;
+  std::int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
+    const Acc* LLMPAR_RESTRICT b1 = b0 + hs;
+    const Acc* LLMPAR_RESTRICT b2 = b1 + hs;
+    const Acc* LLMPAR_RESTRICT b3 = b2 + hs;
+    Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (std::int64_t d = 0; d < hs; ++d) {
+      s0 += a[d] * b0[d];
+      s1 += a[d] * b1[d];
+      s2 += a[d] * b2[d];
+      s3 += a[d] * b3[d];
+    }
+    s[c] = s0 * scale;
+    s[c + 1] = s1 * scale;
+    s[c + 2] = s2 * scale;
+    s[c + 3] = s3 * scale;
+  }
+  for (; c < n; ++c) {
+    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
+    Acc s0 = 0;
+#pragma omp simd reduction(+ : s0)
+    for (std::int64_t d = 0; d < hs; ++d) s0 += a[d] * b0[d];
+    s[c] = s0 * scale;
+  }
+}
+
+// acc += sum_c w[c] * (b + c*hs) for c in [0, n).   acc: (hs), w: (n), b: (n, hs)
+template <int kHs, class Acc>
+inline void axpy_rows(Acc* LLMPAR_RESTRICT acc, const Acc* LLMPAR_RESTRICT w, const Acc* LLMPAR_RESTRICT b,
+                      std::int64_t n, std::int64_t hs_runtime) {
+  const std::int64_t hs = kHs > 0 ? kHs : hs_runtime;
+  std::int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
+    const Acc* LLMPAR_RESTRICT b1 = b0 + hs;
+    const Acc* LLMPAR_RESTRICT b2 = b1 + hs;
+    const Acc* LLMPAR_RESTRICT b3 = b2 + hs;
+    const Acc w0 = w[c], w1 = w[c + 1], w2 = w[c + 2], w3 = w[c + 3];
+#pragma omp simd
+    for (std::int64_t d = 0; d < hs; ++d) acc[d] += w0 * b0[d] + w1 * b1[d] + w2 * b2[d] + w3 * b3[d];
+  }
+  for (; c < n; ++c) {
+    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
+    const Acc w0 = w[c];
+#pragma omp simd
+    for (std::int64_t d = 0; d < hs; ++d) acc[d] += w0 * b0[d];
+  }
+}
+
+// Copies n rows of one head into a contiguous block, converting to Acc.
+// dst: (n, hs); src: rows `stride` elements apart.
+template <class T, class Acc>
+inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n,
+                      std::int64_t hs, std::int64_t stride) {
+  for (std::int64_t r = 0; r < n; ++r) {
+    const T* LLMPAR_RESTRICT row = src + r * stride;
+    Acc* LLMPAR_RESTRICT out = dst + r * hs;
+#pragma omp simd
+    for (std::int64_t d = 0; d < hs; ++d) out[d] = static_cast<Acc>(row[d]);
+  }
+}
+
+// Inverse of pack_rows: dst rows `stride` apart; src: (n, hs).
+template <class T, class Acc>
+inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, std::int64_t n,
+                        std::int64_t hs, std::int64_t stride) {
+  for (std::int64_t r = 0; r < n; ++r) {
+    T* LLMPAR_RESTRICT row = dst + r * stride;
+    const Acc* LLMPAR_RESTRICT in = src + r * hs;
+#pragma omp simd
+    for (std::int64_t d = 0; d < hs; ++d) row[d] = static_cast<T>(in[d]);
+  }
+}
+
+inline void check_shape(const char* who, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t NH) {
+  LLMPAR_CHECK(B >= 0 && T >= 0, who, ": B = ", B, ", T = ", T, "; both must be >= 0");
+  LLMPAR_CHECK(C >= 1 && NH >= 1, who, ": C = ", C, ", NH = ", NH, "; both must be >= 1");
+  LLMPAR_CHECK(C % NH == 0, who, ": the number of heads NH = ", NH, " does not divide the channels C = ", C,
+               "; pick C a multiple of NH (head size C / NH)");
+}
+
+// One query tile [i0, i0 + ni) of head h of batch b. scratch: 4 * kTile * hs + kTile.
+template <int kHs, class T>
+void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv,
+                  std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t T_len, std::int64_t C,
+                  std::int64_t NH, acc_t<T>* LLMPAR_RESTRICT scratch) {
+  using Acc = acc_t<T>;
+  const std::int64_t hs = kHs > 0 ? kHs : C / NH;
+  const std::int64_t C3 = 3 * C;
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  const std::int64_t ni = std::min(kTile, T_len - i0);
+  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), head column offset
+
+  Acc* LLMPAR_RESTRICT q = scratch;              // (ni, hs)
+  Acc* LLMPAR_RESTRICT o = q + kTile * hs;       // (ni, hs) unnormalised output
+  Acc* LLMPAR_RESTRICT k = o + kTile * hs;       // (nj, hs)
+  Acc* LLMPAR_RESTRICT v = k + kTile * hs;       // (nj, hs)
+  Acc* LLMPAR_RESTRICT s = v + kTile * hs;       // (nj) scores, then weights, of one row
+  math::OnlineSoftmax<Acc> state[kTile];         // (ni)
+
+  pack_rows(q, head + i0 * C3, ni, hs, C3);
+  std::fill(o, o + ni * hs, Acc(0));
+  for (std::int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+    const std::int64_t nj = std::min(kTile, T_len - j0);
+    pack_rows(k, head + j0 * C3 + C, nj, hs, C3);
+    pack_rows(v, head + j0 * C3 + 2 * C, nj, hs, C3);
+    for (std::int64_t r = 0; r < ni; ++r) {
+      const std::int64_t n = std::min(nj, i0 + r - j0 + 1);  // causal: keys j0 .. i0 + r
+      dot_rows<kHs>(s, q + r * hs, k, n, hs, scale);
+      Acc tile_max = s[0];
+#pragma omp simd reduction(max : tile_max)
+      for (std::int64_t c = 0; c < n; ++c) tile_max = std::max(tile_max, s[c]);
+      math::OnlineSoftmax<Acc>& st = state[r];
+      Acc* LLMPAR_RESTRICT orow = o + r * hs;
+      if (tile_max > st.max) {
+        const Acc factor = st.rescale(tile_max);
+#pragma omp simd
+        for (std::int64_t d = 0; d < hs; ++d) orow[d] *= factor;
+      }
+      const Acc m = st.max;
+      Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (std::int64_t c = 0; c < n; ++c) {
+        s[c] = math::fast_exp(s[c] - m);
+        sum += s[c];
+      }
+      st.sum += sum;
+      axpy_rows<kHs>(orow, s, v, n, hs);
+    }
+  }
+  for (std::int64_t r = 0; r < ni; ++r) {
+    const Acc inv = Acc(1) / state[r].sum;
+    Acc* LLMPAR_RESTRICT orow = o + r * hs;
+#pragma omp simd
+    for (std::int64_t d = 0; d < hs; ++d) orow[d] *= inv;
+    lse[(b * NH + h) * T_len + i0 + r] = state[r].log_sum_exp();
+  }
+  unpack_rows(out + (b * T_len + i0) * C + h * hs, o, ni, hs, C);
+}
+
+template <int kHs, class T>
+void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C,
+             std::int64_t NH) {
+  using Acc = acc_t<T>;
+  const std::int64_t hs = C / NH;
+  const std::int64_t tiles = ceil_div(T_len, kTile);
+  const std::int64_t tasks = B * NH * tiles;
+  const std::int64_t per_thread = 4 * kTile * hs + kTile;
+  const bool parallel = tasks > 1 && B * NH * T_len * T_len / 2 * hs >= kMinParallelWork;
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  Buffer<Acc> scratch(threads * per_thread);
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    Acc* mine = scratch.data() + omp_get_thread_num() * per_thread;
+    // Tiles far down the sequence see the most keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t tile = tiles - 1 - task / (B * NH);
+      const std::int64_t bh = task % (B * NH);
+      forward_tile<kHs>(out, lse, qkv, bh / NH, bh % NH, tile * kTile, T_len, C, NH, mine);
+    }
+  }
+}
+
+// One head (b, h). scratch: 7 * T * hs + 2 * T + 2 * kTile * kTile + 4 * kTile.
+template <int kHs, class T>
+void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
+                   const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b,
+                   std::int64_t h, std::int64_t T_len, std::int64_t C, std::int64_t NH,
+                   acc_t<T>* LLMPAR_RESTRICT scratch) {
+  using Acc = acc_t<T>;
+  const std::int64_t hs = kHs > 0 ? kHs : C / NH;
+  const std::int64_t C3 = 3 * C;
+  const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
+  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;   // (T, 3C), head column offset
+  T* LLMPAR_RESTRICT dhead = dqkv + b * T_len * C3 + h * hs;       // (T, 3C), head column offset
+  const std::int64_t row0 = b * T_len * C + h * hs;                // head offset in (B, T, C)
+  const Acc* LLMPAR_RESTRICT lse_head = lse + (b * NH + h) * T_len;  // (T)
+
+  Acc* LLMPAR_RESTRICT q = scratch;            // (T, hs)
+  Acc* LLMPAR_RESTRICT k = q + T_len * hs;     // (T, hs)
+  Acc* LLMPAR_RESTRICT v = k + T_len * hs;     // (T, hs)
+  Acc* LLMPAR_RESTRICT g = v + T_len * hs;     // (T, hs) dout of this head
+  Acc* LLMPAR_RESTRICT dq = g + T_len * hs;    // (T, hs)
+  Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;   // (T, hs)
+  Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;   // (T, hs)
+  Acc* LLMPAR_RESTRICT D = dv + T_len * hs;    // (T) dout_t . out_t
+  Acc* LLMPAR_RESTRICT o = D + T_len;          // (hs) one row of out
+  Acc* LLMPAR_RESTRICT pt = o + std::max<std::int64_t>(hs, T_len);  // (kTile keys, kTile rows) p^T
+  Acc* LLMPAR_RESTRICT dst = pt + kTile * kTile;  // (kTile keys, kTile rows) (ds * scale)^T
+  Acc* LLMPAR_RESTRICT p = dst + kTile * kTile;   // (kTile) p of one row
+  Acc* LLMPAR_RESTRICT dp = p + kTile;            // (kTile) dp, then ds * scale, of one row
+
+  pack_rows(q, head, T_len, hs, C3);
+  pack_rows(k, head + C, T_len, hs, C3);
+  pack_rows(v, head + 2 * C, T_len, hs, C3);
+  pack_rows(g, dout + row0, T_len, hs, C);
+  for (std::int64_t t = 0; t < T_len; ++t) {
+    pack_rows(o, out + row0 + t * C, 1, hs, C);
+    const Acc* LLMPAR_RESTRICT gt = g + t * hs;
+    Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t d = 0; d < hs; ++d) sum += gt[d] * o[d];
+    D[t] = sum;
+  }
+  std::fill(dq, dq + 3 * T_len * hs, Acc(0));  // dq, dk, dv
+
+  for (std::int64_t j0 = 0; j0 < T_len; j0 += kTile) {
+    const std::int64_t nj = std::min(kTile, T_len - j0);
+    const Acc* LLMPAR_RESTRICT kt = k + j0 * hs;  // (nj, hs)
+    const Acc* LLMPAR_RESTRICT vt = v + j0 * hs;  // (nj, hs)
+    for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile) {
+      const std::int64_t ni = std::min(kTile, T_len - i0);
+      for (std::int64_t r = 0; r < ni; ++r) {
+        const std::int64_t i = i0 + r;
+        const std::int64_t n = std::min(nj, i - j0 + 1);  // causal: keys j0 .. i
+        dot_rows<kHs>(p, q + i * hs, kt, n, hs, scale);
+        dot_rows<kHs>(dp, g + i * hs, vt, n, hs, Acc(1));
+        const Acc l = lse_head[i];
+        const Acc Di = D[i];
+#pragma omp simd
+        for (std::int64_t c = 0; c < n; ++c) {
+          p[c] = math::fast_exp(p[c] - l);
+          dp[c] = p[c] * (dp[c] - Di) * scale;
+        }
+        axpy_rows<kHs>(dq + i * hs, dp, kt, n, hs);
+        for (std::int64_t c = 0; c < n; ++c) {
+          pt[c * kTile + r] = p[c];
+          dst[c * kTile + r] = dp[c];
+        }
+      }
+      // Key c of this tile is seen by rows r >= c - (i0 - j0) of the query tile.
+      for (std::int64_t c = 0; c < nj; ++c) {
+        const std::int64_t r0 = std::max<std::int64_t>(0, j0 + c - i0);
+        if (r0 >= ni) continue;
+        axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, g + (i0 + r0) * hs, ni - r0, hs);
+        axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
+      }
+    }
+  }
+  unpack_rows(dhead, dq, T_len, hs, C3);
+  unpack_rows(dhead + C, dk, T_len, hs, C3);
+  unpack_rows(dhead + 2 * C, dv, T_len, hs, C3);
+}
+
+template <int kHs, class T>
+void backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, std::int64_t B,
+              std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+  using Acc = acc_t<T>;
+  const std::int64_t hs = C / NH;
+  const std::int64_t tasks = B * NH;
+  const std::int64_t per_thread = 7 * T_len * hs + T_len + std::max(hs, T_len) + 2 * kTile * kTile + 2 * kTile;
+  const bool parallel = tasks > 1 && B * NH * T_len * T_len / 2 * hs >= kMinParallelWork;
+  const int threads = parallel ? static_cast<int>(std::min<std::int64_t>(omp_get_max_threads(), tasks)) : 1;
+  Buffer<Acc> scratch(threads * per_thread);
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    Acc* mine = scratch.data() + omp_get_thread_num() * per_thread;
+#pragma omp for schedule(static)
+    for (std::int64_t bh = 0; bh < tasks; ++bh) {
+      backward_head<kHs>(dqkv, dout, qkv, out, lse, bh / NH, bh % NH, T_len, C, NH, mine);
+    }
+  }
+}
+
+}  // namespace detail::attn
+
+// out: (B, T, C); lse: (B, NH, T) log-sum-exp of each row's scaled scores;
+// qkv: (B, T, 3C). Scores are scaled by 1/sqrt(C / NH).
+template <class T>
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
+                       std::int64_t C, std::int64_t NH) {
+  detail::attn::check_shape("attention_forward", B, T_len, C, NH);
+  if (B == 0 || T_len == 0) return;
+  switch (C / NH) {
+    case 32: detail::attn::forward<32>(out, lse, qkv, B, T_len, C, NH); break;
+    case 64: detail::attn::forward<64>(out, lse, qkv, B, T_len, C, NH); break;
+    case 128: detail::attn::forward<128>(out, lse, qkv, B, T_len, C, NH); break;
+    default: detail::attn::forward<0>(out, lse, qkv, B, T_len, C, NH); break;
+  }
+}
+
+// Overwrites dqkv: (B, T, 3C). dout, out: (B, T, C); qkv: (B, T, 3C); lse: (B, NH, T)
+// as saved by attention_forward on the same qkv.
+template <class T>
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse,
+                        std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+  detail::attn::check_shape("attention_backward", B, T_len, C, NH);
+  if (B == 0 || T_len == 0) return;
+  switch (C / NH) {
+    case 32: detail::attn::backward<32>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
+    case 64: detail::attn::backward<64>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
+    case 128: detail::attn::backward<128>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
+    default: detail::attn::backward<0>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
+  }
+}
+
+}  // namespace llmpar::backend::cpu

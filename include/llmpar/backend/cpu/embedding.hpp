@@ -1,0 +1,77 @@
+// llmpar/backend/cpu/embedding.hpp — token + position embedding (GPT-2's encoder).
+//
+//   out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]
+//
+// Forward is a gather, parallel over the B*T output rows. Backward is a scatter-add
+// into dwte, where any number of positions can hit the same token row. Atomics or
+// per-thread copies of dwte would make the sums depend on the thread count (or cost
+// V*C memory per thread), so threads instead own whole column tiles of C and visit
+// the positions in order: every element of dwte and dwpe receives the same additions
+// in the same order for any number of threads, with no workspace.
+//
+// Tokens must be in [0, V) for the wte of V rows: the kernels do not know V and do
+// not check, so tokens are validated where they enter the program (the data loader).
+// Convention: dwte and dwpe are accumulated into (+=).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/config.hpp"
+#include "llmpar/core/error.hpp"
+
+namespace llmpar::backend::cpu {
+
+// out: (B, Tlen, C); tokens: (B, Tlen); wte: (V, C); wpe: (>= Tlen, C).
+template <class T>
+void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT tokens,
+                     const T* LLMPAR_RESTRICT wte, const T* LLMPAR_RESTRICT wpe, std::int64_t B,
+                     std::int64_t Tlen, std::int64_t C) {
+  using Acc = acc_t<T>;
+  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_forward: B = ", B, ", Tlen = ", Tlen,
+               ", C = ", C, "; sizes must be >= 0");
+  const std::int64_t positions = B * Tlen;
+#pragma omp parallel for schedule(static) if (positions * C >= kMinParallelWork)
+  for (std::int64_t bt = 0; bt < positions; ++bt) {
+    const std::int64_t t = bt % Tlen;
+    const T* LLMPAR_RESTRICT token_row = wte + static_cast<std::int64_t>(tokens[bt]) * C;
+    const T* LLMPAR_RESTRICT position_row = wpe + t * C;
+    T* LLMPAR_RESTRICT o = out + bt * C;
+#pragma omp simd
+    for (std::int64_t c = 0; c < C; ++c) {
+      o[c] = static_cast<T>(static_cast<Acc>(token_row[c]) + static_cast<Acc>(position_row[c]));
+    }
+  }
+}
+
+// dwte: (V, C) +=; dwpe: (>= Tlen, C) +=; dout: (B, Tlen, C); tokens: (B, Tlen).
+template <class T>
+void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe,
+                      const T* LLMPAR_RESTRICT dout, const std::int32_t* LLMPAR_RESTRICT tokens,
+                      std::int64_t B, std::int64_t Tlen, std::int64_t C) {
+  using Acc = acc_t<T>;
+  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_backward: B = ", B, ", Tlen = ", Tlen,
+               ", C = ", C, "; sizes must be >= 0");
+  const std::int64_t positions = B * Tlen;
+  const std::int64_t tiles = ceil_div(C, kColumnTile);
+#pragma omp parallel for schedule(static) if (positions * C >= kMinParallelWork)
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    const std::int64_t c0 = tile * kColumnTile;
+    const std::int64_t n = std::min(kColumnTile, C - c0);
+    for (std::int64_t bt = 0; bt < positions; ++bt) {
+      const std::int64_t t = bt % Tlen;
+      const T* LLMPAR_RESTRICT g = dout + bt * C + c0;
+      T* LLMPAR_RESTRICT token_row = dwte + static_cast<std::int64_t>(tokens[bt]) * C + c0;
+      T* LLMPAR_RESTRICT position_row = dwpe + t * C + c0;
+#pragma omp simd
+      for (std::int64_t j = 0; j < n; ++j) {
+        const Acc gj = static_cast<Acc>(g[j]);
+        token_row[j] = static_cast<T>(static_cast<Acc>(token_row[j]) + gj);
+        position_row[j] = static_cast<T>(static_cast<Acc>(position_row[j]) + gj);
+      }
+    }
+  }
+}
+
+}  // namespace llmpar::backend::cpu

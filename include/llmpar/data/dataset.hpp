@@ -1,0 +1,440 @@
+// llmpar/data/dataset.hpp — token datasets, the sequential data loader, and the
+// embedded text corpus.
+//
+// TokenDataset is a list of token shards (memory-mapped files matched by a glob, or one
+// in-memory vector) whose every token has been checked against the model's vocabulary
+// once, up front: an id >= vocab would otherwise index past the embedding table, which
+// is a crash on a GPU and silent garbage on a CPU.
+//
+// DataLoader reads the way llm.c does: batches are B*T+1 contiguous tokens, taken in
+// order, with no shuffling and no random access. That makes a training run a pure
+// function of (data, B, T, world), the order is trivial to checkpoint (a shard index and
+// an offset), and a batch costs one sequential read of a mapped file. Data parallelism
+// is built in the same way: the world's ranks read consecutive B*T chunks of one global
+// window of world*B*T+1 tokens, so world ranks with batch B see exactly the rows one rank
+// with batch world*B sees — the serial-equivalence contract for data parallelism.
+//
+// The embedded corpus is the Debian `fortunes` package: a few MB of varied English that
+// is on most Debian machines already, so the example trainer runs with no download.
+#pragma once
+
+#include <glob.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "llmpar/config.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/data/shard.hpp"
+#include "llmpar/data/tokenizer.hpp"
+
+namespace llmpar::data {
+
+namespace detail {
+
+// Index of the first token >= vocab_size, or -1. A max-reduction runs first because it
+// vectorises, so checking a large shard costs about one pass over its pages.
+inline std::int64_t first_out_of_vocab(std::span<const std::uint16_t> tokens, int vocab_size) {
+  std::uint16_t max_id = 0;
+  for (const std::uint16_t t : tokens) max_id = std::max(max_id, t);
+  if (static_cast<int>(max_id) < vocab_size) return -1;
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (static_cast<int>(tokens[i]) >= vocab_size) return static_cast<std::int64_t>(i);
+  return -1;
+}
+
+// "data/fineweb_train_*.bin" -> "data/fineweb", so the hint names the right prepare_data.
+inline std::string prefix_of_pattern(std::string_view pattern) {
+  for (std::string_view split : {"_train", "_val"}) {
+    const std::size_t at = pattern.rfind(split);
+    if (at != std::string_view::npos && pattern.find('/', at) == std::string_view::npos)
+      return std::string(pattern.substr(0, at));
+  }
+  return "PREFIX";
+}
+
+// Matches in byte order: glob(3)'s own sort follows the locale's collation, and the
+// shard order must not depend on the user's LANG.
+inline std::vector<std::string> glob_sorted(const std::string& pattern) {
+  glob_t matches{};
+  const int rc = ::glob(pattern.c_str(), GLOB_NOSORT, nullptr, &matches);
+  std::vector<std::string> paths;
+  if (rc == 0)
+    for (std::size_t i = 0; i < matches.gl_pathc; ++i) paths.emplace_back(matches.gl_pathv[i]);
+  ::globfree(&matches);
+  LLMPAR_CHECK(rc == 0 || rc == GLOB_NOMATCH, "cannot expand shard pattern '", pattern, "' (glob error ", rc, ")");
+  std::sort(paths.begin(), paths.end());
+  return paths;
+}
+
+}  // namespace detail
+
+// An ordered list of token shards, every token checked to be < vocab_size. Move-only;
+// the token spans it hands out stay valid for its lifetime.
+class TokenDataset {
+ public:
+  // Every file matching the glob `pattern`, in byte order of their paths.
+  static TokenDataset from_shards(const std::string& pattern, int vocab_size) {
+    TokenDataset ds(vocab_size);
+    const std::vector<std::string> paths = detail::glob_sorted(pattern);
+    const std::string prefix = detail::prefix_of_pattern(pattern);
+    LLMPAR_CHECK(!paths.empty(), "no shard matches '", pattern, "'; run `prepare_data --out ", prefix,
+                 " FILE...` (or `prepare_data --out ", prefix, " --fortunes`) to create shards");
+    for (const std::string& path : paths) {
+      TokenShard shard(path);
+      const std::span<const std::uint16_t> tokens = shard.tokens();  // stable across the move below
+      ds.mapped_.push_back(std::move(shard));
+      ds.add_part(path, tokens);
+    }
+    return ds;
+  }
+
+  // One in-memory shard (the embedded corpus, tests); `name` appears in error messages.
+  static TokenDataset from_tokens(std::vector<std::uint16_t> tokens, int vocab_size,
+                                  std::string name = "in-memory tokens") {
+    TokenDataset ds(vocab_size);
+    ds.owned_ = std::move(tokens);
+    ds.add_part(std::move(name), ds.owned_);
+    return ds;
+  }
+
+  TokenDataset(TokenDataset&&) noexcept = default;
+  TokenDataset& operator=(TokenDataset&&) noexcept = default;
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+
+  int vocab_size() const { return vocab_size_; }
+  std::size_t num_shards() const { return parts_.size(); }
+  std::span<const std::uint16_t> shard(std::size_t i) const { return parts_.at(i); }
+  const std::string& shard_name(std::size_t i) const { return names_.at(i); }
+  std::int64_t num_tokens() const {
+    std::int64_t n = 0;
+    for (const auto& p : parts_) n += static_cast<std::int64_t>(p.size());
+    return n;
+  }
+
+ private:
+  explicit TokenDataset(int vocab_size) : vocab_size_(vocab_size) {
+    LLMPAR_CHECK(vocab_size >= 1 && vocab_size <= 65536, "vocab_size ", vocab_size,
+                 " is out of range for uint16 token shards; it must be in [1, 65536]");
+  }
+
+  void add_part(std::string name, std::span<const std::uint16_t> tokens) {
+    const std::int64_t bad = detail::first_out_of_vocab(tokens, vocab_size_);
+    LLMPAR_CHECK(bad < 0, "'", name, "' holds token id ", tokens[static_cast<std::size_t>(bad)],
+                 " at position ", bad, ", but the vocab size is ", vocab_size_,
+                 "; the data was tokenized with a different tokenizer — regenerate it with the model's tokenizer, "
+                 "or set the model's vocab size to at least the tokenizer's");
+    names_.push_back(std::move(name));
+    parts_.push_back(tokens);
+  }
+
+  int vocab_size_ = 0;
+  std::vector<TokenShard> mapped_;
+  std::vector<std::uint16_t> owned_;  // moving a vector keeps its buffer, so parts_ stay valid
+  std::vector<std::string> names_;
+  std::vector<std::span<const std::uint16_t>> parts_;
+};
+
+struct LoaderConfig {
+  int batch_size = 0;  // B: rows per batch on this rank
+  int seq_len = 0;     // T: tokens per row
+  int rank = 0;        // this rank's index among the data-parallel ranks
+  int world = 1;       // number of data-parallel ranks reading the dataset together
+};
+
+// Where the loader will read next: enough to resume a run exactly from a checkpoint.
+struct LoaderState {
+  std::size_t shard = 0;
+  std::int64_t position = 0;  // token offset of the world's next window in the shard
+  std::int64_t epoch = 0;     // completed passes over the dataset
+  friend bool operator==(const LoaderState&, const LoaderState&) = default;
+};
+
+struct Batch {
+  View<const std::int32_t> inputs;   // (B,T)
+  View<const std::int32_t> targets;  // (B,T): targets[b][t] = the token after inputs[b][t]
+};
+
+// Sequential batches of one rank's rows. Each call to next() consumes one window of
+// world*B*T+1 tokens; rank r reads tokens [r*B*T, r*B*T + B*T + 1) of it. A window never
+// spans two shards: when the current shard has fewer than world*B*T+1 tokens left, the
+// loader moves to the next shard (and after the last, back to the first, ending an
+// epoch), leaving at most world*B*T tokens at each shard's end unread, as llm.c does.
+class DataLoader {
+ public:
+  DataLoader(const TokenDataset& data, LoaderConfig config) : data_(&data), config_(config) {
+    LLMPAR_CHECK(config.batch_size >= 1, "LoaderConfig.batch_size is ", config.batch_size,
+                 "; it must be >= 1 (rows per batch on each rank)");
+    LLMPAR_CHECK(config.seq_len >= 1, "LoaderConfig.seq_len is ", config.seq_len,
+                 "; it must be >= 1 (tokens per row)");
+    LLMPAR_CHECK(config.world >= 1, "LoaderConfig.world is ", config.world,
+                 "; it must be >= 1 (the number of data-parallel ranks)");
+    LLMPAR_CHECK(config.rank >= 0 && config.rank < config.world, "LoaderConfig.rank is ", config.rank,
+                 "; it must be in [0, world) = [0, ", config.world, ")");
+    LLMPAR_CHECK(data.num_shards() >= 1, "the dataset has no shards");
+    rows_ = static_cast<std::int64_t>(config.batch_size) * config.seq_len;
+    stride_ = rows_ * config.world;
+    for (std::size_t i = 0; i < data.num_shards(); ++i) {
+      const auto n = static_cast<std::int64_t>(data.shard(i).size());
+      LLMPAR_CHECK(n >= stride_ + 1, "'", data.shard_name(i), "' has ", n,
+                   " tokens, too few for one batch: batch size B=", config.batch_size, " x sequence length T=",
+                   config.seq_len, " x world ", config.world, " + 1 = ", stride_ + 1,
+                   " tokens are needed; use a smaller batch size or sequence length, or more data in the shard");
+    }
+    inputs_.resize(rows_);
+    targets_.resize(rows_);
+  }
+  // The loader keeps a pointer to the dataset, so a temporary one would dangle.
+  DataLoader(TokenDataset&&, LoaderConfig) = delete;
+
+  // The next batch. The views point into the loader's buffers and are valid until the
+  // next call to next().
+  Batch next() {
+    const std::uint16_t* src =
+        data_->shard(state_.shard).data() + state_.position + static_cast<std::int64_t>(config_.rank) * rows_;
+    std::int32_t* LLMPAR_RESTRICT in = inputs_.data();
+    std::int32_t* LLMPAR_RESTRICT tgt = targets_.data();
+    for (std::int64_t i = 0; i < rows_; ++i) {
+      in[i] = src[i];
+      tgt[i] = src[i + 1];
+    }
+    advance();
+    const Shape shape{config_.batch_size, config_.seq_len};
+    return {inputs_.view(shape), targets_.view(shape)};
+  }
+
+  // Back to the first batch of the first shard, epoch 0.
+  void reset() { state_ = {}; }
+  std::int64_t epoch() const { return state_.epoch; }
+  const LoaderConfig& config() const { return config_; }
+  // Batches in one pass over the dataset (every rank gets the same number).
+  std::int64_t batches_per_epoch() const {
+    std::int64_t n = 0;
+    for (std::size_t i = 0; i < data_->num_shards(); ++i)
+      n += (static_cast<std::int64_t>(data_->shard(i).size()) - 1) / stride_;
+    return n;
+  }
+
+  LoaderState state() const { return state_; }
+  // Resumes at a state from state(); it must come from a loader with the same data, B, T
+  // and world, which the checks below catch in the cases where it would read wrongly.
+  void restore(const LoaderState& s) {
+    LLMPAR_CHECK(s.shard < data_->num_shards(), "loader state names shard ", s.shard, " but the dataset has ",
+                 data_->num_shards(), " shards; resume with the data the checkpoint was trained on");
+    const auto n = static_cast<std::int64_t>(data_->shard(s.shard).size());
+    LLMPAR_CHECK(s.position >= 0 && s.position % stride_ == 0 && s.position + stride_ + 1 <= n,
+                 "loader state position ", s.position, " in '", data_->shard_name(s.shard),
+                 "' (", n, " tokens) is not the start of a batch window of world*B*T = ", stride_,
+                 " tokens; resume with the batch size, sequence length and world size of the checkpoint");
+    LLMPAR_CHECK(s.epoch >= 0, "loader state epoch ", s.epoch, " is negative");
+    state_ = s;
+  }
+
+ private:
+  void advance() {
+    state_.position += stride_;
+    if (state_.position + stride_ + 1 > static_cast<std::int64_t>(data_->shard(state_.shard).size())) {
+      state_.position = 0;
+      if (++state_.shard == data_->num_shards()) {
+        state_.shard = 0;
+        ++state_.epoch;
+      }
+    }
+  }
+
+  const TokenDataset* data_;
+  LoaderConfig config_;
+  std::int64_t rows_ = 0;    // B*T: tokens of input per rank and batch
+  std::int64_t stride_ = 0;  // world*B*T: how far the world's window moves per batch
+  LoaderState state_;
+  Buffer<std::int32_t> inputs_;   // (B,T)
+  Buffer<std::int32_t> targets_;  // (B,T)
+};
+
+// ---------------------------------------------------------------------------------------
+// The embedded text corpus.
+
+inline constexpr const char* kDefaultFortunesDir = "/usr/share/games/fortunes";
+
+// Token streams for training and validation, and what they were made from.
+struct TextCorpus {
+  std::vector<std::uint16_t> train;
+  std::vector<std::uint16_t> val;
+  int vocab_size = 0;                        // of the tokenizer that made train and val
+  std::vector<std::filesystem::path> files;  // the files read, in order
+  std::int64_t documents = 0;                // fortunes (or files) read
+  std::int64_t val_documents = 0;            // of which went to validation
+};
+
+namespace detail {
+
+inline void check_val_fraction(double val_fraction) {
+  LLMPAR_CHECK(val_fraction >= 0.0 && val_fraction < 1.0, "val_fraction ", val_fraction,
+               " is out of range; it must be in [0, 1) (0.1 keeps a tenth of the text for validation)");
+}
+
+inline std::string read_text_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  LLMPAR_CHECK(in.is_open(), "cannot open text file '", path.string(), "'; check that it exists and is readable");
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) text.append(chunk, static_cast<std::size_t>(in.gcount()));
+  LLMPAR_CHECK(in.eof(), "error reading text file '", path.string(), "'");
+  return text;
+}
+
+template <class Tok>
+void append_tokens(std::vector<std::uint16_t>& out, const Tok& tokenizer, std::string_view text) {
+  const std::vector<std::uint16_t> ids = tokenizer.encode(text);
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+// Plain-text fortune files of a directory: regular files without an extension (the
+// *.dat files are strfile's binary indexes, *.u8 are links to the same text), sorted.
+inline std::vector<std::filesystem::path> fortune_files(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  const std::string hint =
+      "; install the default corpus with `apt-get install fortunes`, or pass --data with your own token shards";
+  std::error_code ec;
+  LLMPAR_CHECK(fs::is_directory(dir, ec), "fortune directory '", dir.string(), "' does not exist", hint);
+  std::vector<fs::path> files;
+  fs::directory_iterator it(dir, ec);
+  LLMPAR_CHECK(!ec, "cannot list fortune directory '", dir.string(), "': ", ec.message());
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    LLMPAR_CHECK(!ec, "cannot list fortune directory '", dir.string(), "': ", ec.message());
+    const fs::path& p = it->path();
+    const std::string name = p.filename().string();
+    if (name.empty() || name.front() == '.' || p.has_extension()) continue;
+    const fs::file_status st = it->symlink_status(ec);
+    if (ec || !fs::is_regular_file(st)) continue;  // links, directories (e.g. off/), devices
+    files.push_back(p);
+  }
+  std::sort(files.begin(), files.end());
+  LLMPAR_CHECK(!files.empty(), "fortune directory '", dir.string(),
+               "' has no fortune files (plain-text files without an extension)", hint);
+  return files;
+}
+
+// Whether document i of a stream goes to validation: floor((i+1)f) > floor(if) picks
+// floor(n*f) of n documents, spread evenly (f = 0.1: documents 9, 19, 29, ...).
+inline bool is_val_document(std::int64_t i, double val_fraction) {
+  return std::floor(static_cast<double>(i + 1) * val_fraction) > std::floor(static_cast<double>(i) * val_fraction);
+}
+
+}  // namespace detail
+
+// The fortunes in `dir`, tokenized. Files are read in name order; each fortune (the text
+// between "%" lines) is followed by a blank line, so the "%" separators become blank
+// lines. The split is by whole fortunes, interleaved: fortune i (counted across all
+// files) goes to validation when floor((i+1)*val_fraction) > floor(i*val_fraction),
+// i.e. every 10th fortune for 0.1. Whole fortunes keep a joke from being half in train
+// and half in validation; interleaving gives validation the same mix of topics as
+// training, where a tail split would validate only on the alphabetically last files.
+template <Tokenizer Tok = ByteTokenizer>
+TextCorpus load_text_corpus(const std::filesystem::path& dir = kDefaultFortunesDir, double val_fraction = 0.1,
+                            const Tok& tokenizer = Tok{}) {
+  detail::check_val_fraction(val_fraction);
+  TextCorpus corpus;
+  corpus.vocab_size = tokenizer.vocab_size();
+  corpus.files = detail::fortune_files(dir);
+  std::string doc;
+  for (const auto& file : corpus.files) {
+    const std::string text = detail::read_text_file(file);
+    const std::string_view s = text;
+    std::size_t start = 0;  // of the current fortune
+    std::size_t pos = 0;    // of the current line
+    while (start < s.size()) {
+      const std::size_t eol = s.find('\n', pos);
+      const std::size_t line_end = eol == std::string_view::npos ? s.size() : eol;
+      const std::size_t next = eol == std::string_view::npos ? s.size() : eol + 1;
+      const std::string_view line = s.substr(pos, line_end - pos);
+      const bool separator = line == "%" || line == "%\r";
+      if (!separator && next < s.size()) {
+        pos = next;
+        continue;
+      }
+      // A fortune ends at a separator line or at the end of the file.
+      const std::string_view body = s.substr(start, (separator ? pos : s.size()) - start);
+      start = pos = next;
+      if (body.find_first_not_of(" \t\r\n") == std::string_view::npos) continue;  // empty
+      doc.assign(body);
+      if (doc.back() != '\n') doc += '\n';
+      doc += '\n';
+      const bool val = detail::is_val_document(corpus.documents++, val_fraction);
+      corpus.val_documents += val ? 1 : 0;
+      detail::append_tokens(val ? corpus.val : corpus.train, tokenizer, doc);
+    }
+  }
+  LLMPAR_CHECK(val_fraction == 0.0 || !corpus.val.empty(), "val_fraction ", val_fraction, " of the ",
+               corpus.documents, " fortunes in '", dir.string(),
+               "' leaves the validation split empty; raise val_fraction or add fortune files");
+  return corpus;
+}
+
+// Text files for prepare_data, tokenized. Each file is split on its own: its last
+// val_fraction of bytes, from the line start nearest that cut, goes to validation (a tail
+// split, as nanoGPT's shakespeare_char does), so every file is represented in both.
+// Bytes are kept as they are; files are concatenated in the order given.
+template <Tokenizer Tok = ByteTokenizer>
+TextCorpus load_text_files(std::span<const std::filesystem::path> files, double val_fraction = 0.1,
+                           const Tok& tokenizer = Tok{}) {
+  detail::check_val_fraction(val_fraction);
+  TextCorpus corpus;
+  corpus.vocab_size = tokenizer.vocab_size();
+  for (const auto& file : files) {
+    const std::string text = detail::read_text_file(file);
+    const std::size_t val_bytes = static_cast<std::size_t>(static_cast<double>(text.size()) * val_fraction);
+    const std::size_t exact = text.size() - val_bytes;
+    std::size_t cut = exact;
+    if (val_bytes > 0 && exact > 0) {
+      // The line start nearest the exact cut that leaves both splits non-empty.
+      const std::size_t before = text.rfind('\n', exact - 1);
+      const std::size_t after = text.find('\n', exact - 1);
+      const bool has_before = before != std::string::npos;
+      const bool has_after = after != std::string::npos && after + 1 < text.size();
+      if (has_before && (!has_after || exact - (before + 1) <= after + 1 - exact)) {
+        cut = before + 1;
+      } else if (has_after) {
+        cut = after + 1;
+      }
+    }
+    const std::string_view s = text;
+    detail::append_tokens(corpus.train, tokenizer, s.substr(0, cut));
+    detail::append_tokens(corpus.val, tokenizer, s.substr(cut));
+    corpus.files.push_back(file);
+    ++corpus.documents;
+    corpus.val_documents += cut < text.size() ? 1 : 0;
+  }
+  return corpus;
+}
+
+// Entropy in nats of the tokens' unigram (for bytes: byte) frequencies; 0 for no tokens.
+// It is the loss of the best model that ignores context, so a trainer prints it next to
+// the loss: a loss below it shows the model is using context.
+inline double unigram_entropy(std::span<const std::uint16_t> tokens) {
+  if (tokens.empty()) return 0.0;
+  std::vector<std::uint64_t> counts(65536, 0);
+  for (const std::uint16_t t : tokens) ++counts[t];
+  const double n = static_cast<double>(tokens.size());
+  double h = 0.0;
+  for (const std::uint64_t c : counts) {
+    if (c == 0) continue;
+    const double p = static_cast<double>(c) / n;
+    h -= p * std::log(p);
+  }
+  return h;
+}
+
+}  // namespace llmpar::data

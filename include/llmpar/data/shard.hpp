@@ -1,0 +1,254 @@
+// llmpar/data/shard.hpp — token shards in the llm.c / nanoGPT `.bin` format.
+//
+// A shard is a 1024-byte header of 256 little-endian int32 (magic 20240520, version 1,
+// token count) followed by that many little-endian uint16 tokens. Using llm.c's format
+// as-is means shards made by its Python scripts (tinyshakespeare, fineweb) train here and
+// ours train there.
+//
+// Shards are read through a read-only mmap rather than read into memory: a dataset of
+// many GB costs no RAM up front, pages come in as the loader walks forward, and ranks on
+// one node share the page cache. The format is checked completely before any token is
+// handed out (magic, version, and the token count against the file's size), because a
+// truncated or mistaken file would otherwise train silently on garbage.
+//
+// Writers go through a temporary file in the same directory that is fsync'ed and then
+// renamed over the target: rename is atomic within a file system, so a crash or a kill
+// leaves either the old shard or the new one, never a half-written one.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <span>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include "llmpar/config.hpp"
+#include "llmpar/core/error.hpp"
+
+namespace llmpar::data {
+
+static_assert(std::endian::native == std::endian::little,
+              "llmpar token shards are little-endian and memory-mapped as they are; a big-endian "
+              "host would need a byte-swapping reader, which llmpar does not have");
+
+inline constexpr std::int32_t kShardMagic = 20240520;
+inline constexpr std::int32_t kShardVersion = 1;  // llm.c: 1 = uint16 tokens, 2 = uint32 tokens
+inline constexpr int kShardHeaderInts = 256;
+inline constexpr std::size_t kShardHeaderBytes = kShardHeaderInts * sizeof(std::int32_t);
+// The header stores the count as int32.
+inline constexpr std::int64_t kMaxShardTokens = std::numeric_limits<std::int32_t>::max();
+
+namespace detail {
+
+inline std::string errno_message(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+inline constexpr const char* kPrepareDataHint =
+    "create shards from text with `prepare_data --out PREFIX FILE...` (or `prepare_data --out PREFIX --fortunes`)";
+
+// Writes all of [data, data+bytes) to fd, retrying short writes and EINTR.
+inline void write_all(int fd, const void* data, std::size_t bytes, const std::filesystem::path& path) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd, p, bytes);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      LLMPAR_FAIL("cannot write token shard '", path.string(), "': ", errno_message(errno),
+                  "; check free disk space and permissions");
+    }
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+  }
+}
+
+// Removes the temporary file unless released (after a successful rename).
+struct TempFileGuard {
+  std::filesystem::path path;
+  int fd = -1;
+  bool armed = true;
+  ~TempFileGuard() {
+    if (fd >= 0) ::close(fd);
+    if (armed) ::unlink(path.c_str());
+  }
+};
+
+}  // namespace detail
+
+// Writes `tokens` as a version-1 shard at `path`, atomically replacing any file there.
+inline void write_shard(const std::filesystem::path& path, std::span<const std::uint16_t> tokens) {
+  LLMPAR_CHECK(static_cast<std::int64_t>(tokens.size()) <= kMaxShardTokens, "cannot write ", tokens.size(),
+               " tokens to one shard '", path.string(), "': the header holds at most ", kMaxShardTokens,
+               " tokens; split the data over several shards (e.g. PREFIX_train_000.bin, PREFIX_train_001.bin)");
+  LLMPAR_CHECK(!path.filename().empty(), "shard path '", path.string(), "' names a directory, not a file");
+
+  // A unique name in the target's own directory: rename(2) is only atomic within one
+  // file system, and O_EXCL keeps two writers from sharing a temporary.
+  static std::atomic<unsigned> counter{0};
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  detail::TempFileGuard tmp;
+  tmp.path = dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
+                    std::to_string(counter.fetch_add(1)));
+  tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (tmp.fd < 0) {
+    tmp.armed = false;  // nothing was created
+    LLMPAR_FAIL("cannot create a temporary file for token shard '", path.string(), "' in directory '",
+                dir.string(), "': ", detail::errno_message(errno),
+                "; check that the directory exists and is writable");
+  }
+
+  std::array<std::int32_t, kShardHeaderInts> header{};
+  header[0] = kShardMagic;
+  header[1] = kShardVersion;
+  header[2] = static_cast<std::int32_t>(tokens.size());
+  detail::write_all(tmp.fd, header.data(), kShardHeaderBytes, path);
+  detail::write_all(tmp.fd, tokens.data(), tokens.size_bytes(), path);
+  // Data must be on disk before the rename makes it visible under the final name;
+  // otherwise a crash right after the rename could expose an empty file.
+  LLMPAR_CHECK(::fsync(tmp.fd) == 0, "cannot flush token shard '", path.string(), "' to disk: ",
+               detail::errno_message(errno));
+  const int fd = std::exchange(tmp.fd, -1);
+  LLMPAR_CHECK(::close(fd) == 0, "cannot close token shard '", path.string(), "': ", detail::errno_message(errno));
+  LLMPAR_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot move the finished token shard into place at '",
+               path.string(), "': ", detail::errno_message(errno), "; check that it is not a directory and is writable");
+  tmp.armed = false;
+}
+
+// A read-only, memory-mapped view of one shard. Move-only; the tokens stay valid (and at
+// the same address) for the lifetime of the object, also across moves.
+class TokenShard {
+ public:
+  TokenShard() = default;
+  explicit TokenShard(std::filesystem::path path) : path_(std::move(path)) { open(); }
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+  TokenShard(TokenShard&& o) noexcept
+      : path_(std::move(o.path_)),
+        map_(std::exchange(o.map_, nullptr)),
+        map_bytes_(std::exchange(o.map_bytes_, 0)),
+        size_(std::exchange(o.size_, 0)) {}
+  TokenShard& operator=(TokenShard&& o) noexcept {
+    if (this != &o) {
+      unmap();
+      path_ = std::move(o.path_);
+      map_ = std::exchange(o.map_, nullptr);
+      map_bytes_ = std::exchange(o.map_bytes_, 0);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~TokenShard() { unmap(); }
+
+  std::size_t size() const { return size_; }
+  std::uint16_t operator[](std::size_t i) const { return tokens_begin()[i]; }
+  std::span<const std::uint16_t> tokens() const { return {tokens_begin(), size_}; }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  const std::uint16_t* tokens_begin() const {
+    // The header is 1024 bytes into a page-aligned mapping, so the tokens are aligned.
+    return map_ == nullptr ? nullptr
+                           : reinterpret_cast<const std::uint16_t*>(static_cast<const unsigned char*>(map_) +
+                                                                     kShardHeaderBytes);
+  }
+
+  void open() {
+    const std::string name = path_.string();
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      LLMPAR_FAIL("cannot open token shard '", name, "': ", detail::errno_message(err),
+                  err == ENOENT ? "; check the path, or " : "; check its permissions, or ", detail::kPrepareDataHint);
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      LLMPAR_FAIL("cannot stat token shard '", name, "': ", detail::errno_message(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      LLMPAR_FAIL("token shard '", name, "' is ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file",
+                  "; give the path of a .bin shard file (or a glob such as 'data/PREFIX_train*.bin')");
+    }
+    const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
+    if (file_bytes < kShardHeaderBytes) {
+      ::close(fd);
+      LLMPAR_FAIL("token shard '", name, "' is ", file_bytes, " bytes, shorter than the ", kShardHeaderBytes,
+                  "-byte shard header; it is truncated or not a shard; ", detail::kPrepareDataHint);
+    }
+    void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int map_err = errno;
+    ::close(fd);  // the mapping keeps the file alive
+    LLMPAR_CHECK(map != MAP_FAILED, "cannot memory-map token shard '", name, "' (", file_bytes,
+                 " bytes): ", detail::errno_message(map_err));
+    map_ = map;
+    map_bytes_ = file_bytes;
+    // From here on, a failed check must unmap: the constructor does not complete, so the
+    // destructor will not run.
+    try {
+      validate(file_bytes);
+    } catch (...) {
+      unmap();
+      throw;
+    }
+    // The loader walks forward; tell the kernel to read ahead.
+    ::madvise(map_, map_bytes_, MADV_SEQUENTIAL);
+  }
+
+  void validate(std::uint64_t file_bytes) {
+    const std::string name = path_.string();
+    std::array<std::int32_t, kShardHeaderInts> header{};
+    std::memcpy(header.data(), map_, kShardHeaderBytes);
+    if (header[0] != kShardMagic) {
+      // A raw text file is the usual culprit: show the first bytes when they are text.
+      std::string first(static_cast<const char*>(map_), 4);
+      bool printable = true;
+      for (char c : first) printable = printable && ((c >= 0x20 && c < 0x7f) || c == '\n' || c == '\t' || c == '\r');
+      for (char& c : first)
+        if (c == '\n' || c == '\t' || c == '\r') c = ' ';
+      LLMPAR_FAIL("token shard '", name, "' has magic ", header[0],
+                  printable ? " (its first bytes read '" + first + "', which looks like text)" : std::string(),
+                  ", expected ", kShardMagic, "; it is not an llm.c token shard — if it is a raw text file, ",
+                  "tokenize it first with `prepare_data --out PREFIX ", name, "` and train on PREFIX_train.bin");
+    }
+    LLMPAR_CHECK(header[1] == kShardVersion, "token shard '", name, "' has version ", header[1],
+                 "; this reader supports only version ", kShardVersion,
+                 " (uint16 tokens)", header[1] == 2 ? "; version 2 holds uint32 tokens (vocabularies over 65536)" : "",
+                 "; regenerate it as version ", kShardVersion, " with prepare_data");
+    const std::int64_t count = header[2];
+    LLMPAR_CHECK(count >= 0, "token shard '", name, "' header says it holds ", count,
+                 " tokens, which is negative; the file is corrupt; regenerate it with prepare_data");
+    const std::uint64_t expected = kShardHeaderBytes + static_cast<std::uint64_t>(count) * sizeof(std::uint16_t);
+    LLMPAR_CHECK(expected == file_bytes, "token shard '", name, "' header says ", count, " tokens, so expected ",
+                 expected, " bytes, but the file is ", file_bytes, " bytes",
+                 file_bytes < expected ? " (truncated: an interrupted copy or download?)" : " (trailing bytes)",
+                 "; copy it again or regenerate it with prepare_data");
+    size_ = static_cast<std::size_t>(count);
+  }
+
+  void unmap() noexcept {
+    if (map_ != nullptr) ::munmap(map_, map_bytes_);
+    map_ = nullptr;
+    map_bytes_ = 0;
+    size_ = 0;
+  }
+
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  std::size_t map_bytes_ = 0;
+  std::size_t size_ = 0;
+};
+
+}  // namespace llmpar::data

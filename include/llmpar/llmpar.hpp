@@ -1,0 +1,21 @@
+// llmpar/llmpar.hpp — the umbrella header: everything a trainer needs.
+#pragma once
+
+#include "llmpar/config.hpp"
+#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/rng.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/data/dataset.hpp"
+#include "llmpar/data/shard.hpp"
+#include "llmpar/data/tokenizer.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/nn/layernorm.hpp"
+#include "llmpar/nn/linear.hpp"
+#include "llmpar/nn/parameter.hpp"
+#include "llmpar/optim/adamw.hpp"
+#include "llmpar/optim/schedule.hpp"
+#include "llmpar/train/metrics.hpp"
+#include "llmpar/train/sample.hpp"
+#include "llmpar/train/trainer.hpp"

@@ -1,0 +1,331 @@
+// llmpar/models/gpt2.hpp — GPT-2: learned positions, pre-LayerNorm blocks, GELU-tanh
+// MLP, weight-tied LM head. Explicit forward and backward per layer, no tape.
+//
+// Why it is built this way:
+//  - Each block owns the activations its backward needs (llm.c style) and a model-owned
+//    scratch holds the gradients that are dead once a block's backward returns, so the
+//    memory a step needs is visible in one place and a recompute policy can later drop
+//    a block's activations without touching the others.
+//  - Parameters are reached only through parameters(visit); the model binds them into a
+//    flat ParameterStore and initialises them from (seed, name, index), so any future
+//    split over ranks starts from exactly these weights.
+//  - The element type is a template parameter: float trains; double exists so that the
+//    whole model's gradient is checked against finite differences in the tests.
+//  - The vocabulary is padded (50257 -> 50304) so the LM-head GEMM has aligned rows;
+//    padded logits never enter the loss and get zero gradient.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "llmpar/backend/cpu/attention.hpp"
+#include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/backend/cpu/cross_entropy.hpp"
+#include "llmpar/backend/cpu/elementwise.hpp"
+#include "llmpar/backend/cpu/embedding.hpp"
+#include "llmpar/backend/cpu/gelu.hpp"
+#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/nn/layernorm.hpp"
+#include "llmpar/nn/linear.hpp"
+#include "llmpar/nn/parameter.hpp"
+
+namespace llmpar::models {
+
+struct GPT2Config {
+  std::int64_t layers = 12;
+  std::int64_t heads = 12;
+  std::int64_t dim = 768;
+  std::int64_t max_seq = 1024;       // rows of the position table; the longest sequence
+  std::int64_t vocab = 50257;        // real vocabulary
+  std::int64_t padded_vocab = 50304; // rows of the token table, >= vocab
+  float init_std = 0.02f;
+
+  // Named presets: "gpt2-tiny" (byte vocabulary, trains in a minute on a laptop core),
+  // "gpt2-124m" (the GPT-2 small of Radford et al.).
+  static GPT2Config preset(std::string_view name) {
+    if (name == "gpt2-tiny") return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 128, .vocab = 256, .padded_vocab = 256};
+    if (name == "gpt2-124m") return {};
+    LLMPAR_FAIL("unknown model preset '", name, "'; use gpt2-tiny or gpt2-124m, or give --layers --heads --dim --seq --vocab");
+  }
+
+  // The token table padded to a multiple of 128 rows.
+  static std::int64_t pad_vocab(std::int64_t v) { return (v + 127) / 128 * 128; }
+
+  void validate() const {
+    LLMPAR_CHECK(layers > 0, "layers is ", layers, "; a GPT needs at least 1 layer");
+    LLMPAR_CHECK(heads > 0, "heads is ", heads, "; use at least 1 attention head");
+    LLMPAR_CHECK(dim > 0 && dim % heads == 0, "dim ", dim, " is not divisible by heads ", heads,
+                 "; choose dim as a multiple of heads (e.g. ", heads * std::max<std::int64_t>(1, dim / heads), ")");
+    LLMPAR_CHECK(max_seq > 0, "seq is ", max_seq, "; the sequence length must be positive");
+    LLMPAR_CHECK(vocab > 0 && vocab <= 65536, "vocab is ", vocab, "; it must be in [1, 65536] (tokens are stored as uint16)");
+    LLMPAR_CHECK(padded_vocab >= vocab, "padded_vocab ", padded_vocab, " is smaller than vocab ", vocab);
+  }
+
+  // Parameters: token and position tables, 12·C² + 13·C per block, the final norm.
+  std::int64_t num_parameters() const {
+    return padded_vocab * dim + max_seq * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim;
+  }
+};
+
+namespace detail {
+// Gradients that live only while one block's backward runs; shared by all blocks.
+template <class T>
+struct BlockScratch {
+  Buffer<T> wide0, wide1;  // (rows, 4C)
+  Buffer<T> qkv;           // (rows, 3C)
+  Buffer<T> c0, c1;        // (rows, C)
+  void reserve(std::int64_t rows, std::int64_t dim) {
+    wide0.reserve(rows * 4 * dim);
+    wide1.reserve(rows * 4 * dim);
+    qkv.reserve(rows * 3 * dim);
+    c0.reserve(rows * dim);
+    c1.reserve(rows * dim);
+  }
+};
+}  // namespace detail
+
+// One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
+template <class T>
+class GPT2Block {
+ public:
+  using Acc = backend::cpu::acc_t<T>;
+
+  GPT2Block(const std::string& name, const GPT2Config& cfg)
+      : dim_(cfg.dim),
+        heads_(cfg.heads),
+        ln1_(name + ".ln_1", cfg.dim),
+        qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.init_std),
+        proj_(name + ".attn.c_proj", cfg.dim, cfg.dim, true, cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))),
+        ln2_(name + ".ln_2", cfg.dim),
+        fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std),
+        fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
+                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))) {}
+
+  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs.
+  void forward(backend::cpu::Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+    const std::int64_t rows = batch * seq, C = dim_;
+    reserve(batch, seq);
+    ln1_.forward(ln1_out_.data(), x, rows);
+    qkv_.forward(ctx, qkv_out_.data(), ln1_out_.data(), rows);
+    backend::cpu::attention_forward(att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, C, heads_);
+    proj_.forward(ctx, x_mid_.data(), att_out_.data(), rows);
+    backend::cpu::add_inplace(x_mid_.data(), x, rows * C);
+    ln2_.forward(ln2_out_.data(), x_mid_.data(), rows);
+    fc_.forward(ctx, fc_out_.data(), ln2_out_.data(), rows);
+    backend::cpu::gelu_forward(gelu_out_.data(), fc_out_.data(), rows * 4 * C);
+    fc_proj_.forward(ctx, out, gelu_out_.data(), rows);
+    backend::cpu::add_inplace(out, x_mid_.data(), rows * C);
+  }
+
+  // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate.
+  void backward(backend::cpu::Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
+                detail::BlockScratch<T>& s) {
+    const std::int64_t rows = batch * seq, C = dim_;
+    fc_proj_.backward(ctx, s.wide0.data(), dout, gelu_out_.data(), rows);
+    backend::cpu::gelu_backward(s.wide1.data(), fc_out_.data(), s.wide0.data(), rows * 4 * C);
+    fc_.backward(ctx, s.c0.data(), s.wide1.data(), ln2_out_.data(), rows);
+    T* dx_mid = s.c1.data();
+    ln2_.backward(dx_mid, s.c0.data(), x_mid_.data(), rows);
+    backend::cpu::add_inplace(dx_mid, dout, rows * C);  // the residual path
+    proj_.backward(ctx, s.c0.data(), dx_mid, att_out_.data(), rows);
+    backend::cpu::attention_backward(s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
+                                     seq, C, heads_);
+    qkv_.backward(ctx, s.c0.data(), s.qkv.data(), ln1_out_.data(), rows);
+    ln1_.backward(dx, s.c0.data(), x, rows);
+    backend::cpu::add_inplace(dx, dx_mid, rows * C);  // the residual path
+  }
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    ln1_.parameters(visit);
+    qkv_.parameters(visit);
+    proj_.parameters(visit);
+    ln2_.parameters(visit);
+    fc_.parameters(visit);
+    fc_proj_.parameters(visit);
+  }
+
+  std::size_t activation_bytes() const {
+    return ln1_out_.bytes() + qkv_out_.bytes() + att_out_.bytes() + lse_.bytes() + x_mid_.bytes() + ln2_out_.bytes() +
+           fc_out_.bytes() + gelu_out_.bytes() + ln1_.activation_bytes() + ln2_.activation_bytes();
+  }
+
+ private:
+  void reserve(std::int64_t batch, std::int64_t seq) {
+    const std::int64_t rows = batch * seq, C = dim_;
+    ln1_out_.reserve(rows * C);
+    qkv_out_.reserve(rows * 3 * C);
+    att_out_.reserve(rows * C);
+    lse_.reserve(batch * heads_ * seq);
+    x_mid_.reserve(rows * C);
+    ln2_out_.reserve(rows * C);
+    fc_out_.reserve(rows * 4 * C);
+    gelu_out_.reserve(rows * 4 * C);
+  }
+
+  std::int64_t dim_, heads_;
+  nn::LayerNorm<T> ln1_;
+  nn::Linear<T> qkv_, proj_;
+  nn::LayerNorm<T> ln2_;
+  nn::Linear<T> fc_, fc_proj_;
+  // Activations kept for backward.
+  Buffer<T> ln1_out_;   // (B, S, C)
+  Buffer<T> qkv_out_;   // (B, S, 3C)
+  Buffer<T> att_out_;   // (B, S, C)
+  Buffer<Acc> lse_;     // (B, NH, S)
+  Buffer<T> x_mid_;     // (B, S, C)  residual after attention
+  Buffer<T> ln2_out_;   // (B, S, C)
+  Buffer<T> fc_out_;    // (B, S, 4C)
+  Buffer<T> gelu_out_;  // (B, S, 4C)
+};
+
+template <class T>
+class GPT2 {
+ public:
+  using Acc = backend::cpu::acc_t<T>;
+
+  GPT2(const GPT2Config& cfg, std::uint64_t seed) : cfg_(cfg), lnf_((cfg.validate(), "ln_f"), cfg.dim) {
+    wte_ = nn::Parameter<T>("wte", {cfg.padded_vocab, cfg.dim}, nn::Init::normal(cfg.init_std), true);
+    wpe_ = nn::Parameter<T>("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
+    blocks_.reserve(static_cast<std::size_t>(cfg.layers));
+    for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg);
+    store_.bind(*this);
+    store_.initialize(seed);
+    // Padded token rows are never looked up and never produce a logit that matters:
+    // keep them at zero so they cannot perturb anything.
+    for (std::int64_t i = cfg.vocab * cfg.dim; i < cfg.padded_vocab * cfg.dim; ++i) wte_.value[i] = T(0);
+  }
+  GPT2(const GPT2&) = delete;
+  GPT2& operator=(const GPT2&) = delete;
+
+  // Training forward: returns the mean loss over B·S tokens and leaves ∂loss/∂logits
+  // (times loss_scale, for gradient accumulation) ready for backward().
+  Acc forward(backend::cpu::Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
+              std::int64_t seq, Acc loss_scale = Acc(1)) {
+    compute_logits(ctx, tokens, batch, seq);
+    const std::int64_t rows = batch * seq;
+    backend::cpu::cross_entropy_forward_backward(logits_.data(), losses_.data(), targets, rows, cfg_.vocab,
+                                                 cfg_.padded_vocab, loss_scale / static_cast<Acc>(rows));
+    backward_ready_ = true;
+    return mean_loss(rows);
+  }
+
+  // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
+  void backward(backend::cpu::Context& ctx) {
+    LLMPAR_CHECK(backward_ready_, "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
+    backward_ready_ = false;
+    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
+    scratch_.reserve(rows, C);
+    dres_[0].reserve(rows * C);
+    dres_[1].reserve(rows * C);
+    // LM head, tied to wte: logits = lnf_out · wteᵀ.
+    T* dlnf = scratch_.c0.data();
+    backend::cpu::gemm<T>(ctx, dlnf, logits_.data(), wte_.value, nullptr, rows, C, cfg_.padded_vocab, {});
+    backend::cpu::gemm<T>(ctx, wte_.grad, logits_.data(), lnf_out_.data(), nullptr, cfg_.padded_vocab, C, rows,
+                          {.trans_a = true, .trans_b = false, .accumulate = true});
+    lnf_.backward(dres_[0].data(), dlnf, residual(L), rows);
+    for (std::int64_t l = L - 1; l >= 0; --l) {
+      T* dout = dres_[(L - 1 - l) % 2].data();
+      T* dx = dres_[(L - l) % 2].data();
+      blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq, scratch_);
+    }
+    backend::cpu::encoder_backward(wte_.grad, wpe_.grad, dres_[L % 2].data(), tokens_.data(), batch, seq, C);
+  }
+
+  // Mean loss without touching any gradient state.
+  Acc evaluate(backend::cpu::Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
+               std::int64_t seq) {
+    compute_logits(ctx, tokens, batch, seq);
+    backward_ready_ = false;
+    backend::cpu::cross_entropy_forward(losses_.data(), logits_.data(), targets, batch * seq, cfg_.vocab,
+                                        cfg_.padded_vocab);
+    return mean_loss(batch * seq);
+  }
+
+  // Logits (B, S, padded_vocab) of a batch; only the first `vocab` columns are meaningful.
+  const T* logits(backend::cpu::Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
+    compute_logits(ctx, tokens, batch, seq);
+    backward_ready_ = false;
+    return logits_.data();
+  }
+
+  void zero_grad() { store_.zero_grad(); }
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    visit(wte_);
+    visit(wpe_);
+    for (auto& block : blocks_) block.parameters(visit);
+    lnf_.parameters(visit);
+  }
+
+  nn::ParameterStore<T>& parameter_store() { return store_; }
+  const GPT2Config& config() const { return cfg_; }
+  std::int64_t num_parameters() const { return store_.numel(); }
+
+  // Bytes of activations and activation gradients currently allocated.
+  std::size_t activation_bytes() const {
+    std::size_t n = residual_.bytes() + lnf_out_.bytes() + logits_.bytes() + losses_.bytes() + dres_[0].bytes() +
+                    dres_[1].bytes() + scratch_.wide0.bytes() + scratch_.wide1.bytes() + scratch_.qkv.bytes() +
+                    scratch_.c0.bytes() + scratch_.c1.bytes() + lnf_.activation_bytes();
+    for (const auto& b : blocks_) n += b.activation_bytes();
+    return n;
+  }
+
+ private:
+  T* residual(std::int64_t l) { return residual_.data() + l * batch_ * seq_ * cfg_.dim; }
+
+  void compute_logits(backend::cpu::Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
+    LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
+    LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
+                 "]; the model was built for at most --seq ", cfg_.max_seq);
+    batch_ = batch;
+    seq_ = seq;
+    const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
+    for (std::int64_t i = 0; i < rows; ++i)
+      LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
+                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
+    tokens_.reserve(rows);
+    std::copy(tokens, tokens + rows, tokens_.data());
+    residual_.reserve((L + 1) * rows * C);
+    lnf_out_.reserve(rows * C);
+    logits_.reserve(rows * cfg_.padded_vocab);
+    losses_.reserve(rows);
+    backend::cpu::encoder_forward(residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
+    for (std::int64_t l = 0; l < L; ++l)
+      blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
+    lnf_.forward(lnf_out_.data(), residual(L), rows);
+    backend::cpu::gemm<T>(ctx, logits_.data(), lnf_out_.data(), wte_.value, nullptr, rows, cfg_.padded_vocab, C,
+                          {.trans_a = false, .trans_b = true, .accumulate = false});
+  }
+
+  Acc mean_loss(std::int64_t rows) const {
+    Acc sum = 0;
+    for (std::int64_t i = 0; i < rows; ++i) sum += losses_[i];
+    return sum / static_cast<Acc>(rows);
+  }
+
+  GPT2Config cfg_;
+  nn::Parameter<T> wte_;  // (Vp, C), also the LM head
+  nn::Parameter<T> wpe_;  // (max_seq, C)
+  std::vector<GPT2Block<T>> blocks_;
+  nn::LayerNorm<T> lnf_;
+  nn::ParameterStore<T> store_;
+
+  std::int64_t batch_ = 0, seq_ = 0;
+  bool backward_ready_ = false;
+  Buffer<std::int32_t> tokens_;  // (B, S)
+  Buffer<T> residual_;           // (L+1, B, S, C): the input of every block, and the last output
+  Buffer<T> lnf_out_;            // (B, S, C)
+  Buffer<T> logits_;             // (B, S, Vp); holds ∂loss/∂logits after a training forward
+  Buffer<Acc> losses_;           // (B, S)
+  Buffer<T> dres_[2];            // (B, S, C) ping-pong residual gradients
+  detail::BlockScratch<T> scratch_;
+};
+
+}  // namespace llmpar::models

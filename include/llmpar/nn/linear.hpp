@@ -1,0 +1,64 @@
+// llmpar/nn/linear.hpp — y = x·Wᵀ + b, with its explicit backward.
+//
+// The weight is stored (out, in) like PyTorch and llm.c, so the forward is one GEMM
+// with B transposed, the input gradient dX = dY·W one plain GEMM, and the weight
+// gradient dW += dYᵀ·X one GEMM that accumulates in place (gradient accumulation over
+// micro-batches needs no extra buffer). The layer keeps no activations: whoever owns
+// x passes it again to backward — the block that owns its activations decides whether
+// they are kept or recomputed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "llmpar/backend/cpu/bias.hpp"
+#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/nn/parameter.hpp"
+
+namespace llmpar::nn {
+
+template <class T>
+class Linear {
+ public:
+  Linear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias, float init_std)
+      : in_(in_features),
+        out_(out_features),
+        has_bias_(has_bias),
+        weight_(name + ".weight", {out_features, in_features}, Init::normal(init_std), true),
+        bias_(name + ".bias", {out_features}, Init::zeros(), false) {
+    LLMPAR_CHECK(in_features > 0 && out_features > 0, "linear layer '", name, "' needs positive sizes, got in=",
+                 in_features, " out=", out_features);
+  }
+
+  // y (rows, out) = x (rows, in) · Wᵀ + b
+  void forward(backend::cpu::Context& ctx, T* y, const T* x, std::int64_t rows) const {
+    backend::cpu::gemm<T>(ctx, y, x, weight_.value, has_bias_ ? bias_.value : nullptr, rows, out_, in_,
+                          {.trans_a = false, .trans_b = true, .accumulate = false});
+  }
+
+  // dx (rows, in) = dy · W (skipped when dx is null); dW (out, in) += dyᵀ · x; db += Σ dy.
+  void backward(backend::cpu::Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
+    if (dx != nullptr) backend::cpu::gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});
+    backend::cpu::gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
+                          {.trans_a = true, .trans_b = false, .accumulate = true});
+    if (has_bias_) backend::cpu::bias_backward(bias_.grad, dy, rows, out_);
+  }
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    visit(weight_);
+    if (has_bias_) visit(bias_);
+  }
+
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+  Parameter<T>& weight() { return weight_; }
+
+ private:
+  std::int64_t in_, out_;
+  bool has_bias_;
+  Parameter<T> weight_;  // (out, in)
+  Parameter<T> bias_;    // (out)
+};
+
+}  // namespace llmpar::nn

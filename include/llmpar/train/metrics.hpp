@@ -1,0 +1,71 @@
+// llmpar/train/metrics.hpp — what a step reports: loss, lr, gradient norm, time,
+// throughput and MFU; printed as one line and written as JSON lines.
+//
+// MFU follows the llm.c / Kaplan et al. convention: model FLOPs per token are
+// 6·N + 6·L·C·T (N parameters, L layers, C channels, T sequence length), and the
+// denominator is the machine's measured peak (on the CPU, the best sgemm throughput
+// measured in the same run), so the figure means "fraction of what this machine's
+// GEMM library can do", not a datasheet number.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "llmpar/core/error.hpp"
+
+namespace llmpar::train {
+
+struct StepStats {
+  std::int64_t step = 0;  // 1-based
+  double loss = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;
+  double ms = 0.0;
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;  // fraction of the measured peak
+};
+
+// Model FLOPs per trained token (forward and backward).
+inline double flops_per_token(std::int64_t num_parameters, std::int64_t layers, std::int64_t dim, std::int64_t seq) {
+  return 6.0 * static_cast<double>(num_parameters) + 6.0 * static_cast<double>(layers * dim * seq);
+}
+
+// Appends one JSON object per line; each record is flushed so a killed run keeps its log.
+class MetricsWriter {
+ public:
+  MetricsWriter() = default;
+  explicit MetricsWriter(const std::string& path) {
+    if (path.empty()) return;
+    out_.open(path, std::ios::out | std::ios::trunc);
+    LLMPAR_CHECK(out_.good(), "cannot open metrics file '", path, "' for writing; check the directory exists and is writable");
+  }
+  bool enabled() const { return out_.is_open(); }
+
+  void write(const nlohmann::json& record) {
+    if (!enabled()) return;
+    out_ << record.dump() << '\n';
+    out_.flush();
+  }
+
+  void write_step(const StepStats& s) {
+    write({{"type", "step"}, {"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+           {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s}, {"mfu", s.mfu}});
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+inline std::string format_step(const StepStats& s, std::int64_t total_steps) {
+  char line[256];
+  std::snprintf(line, sizeof line, "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
+                static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm, s.ms,
+                s.tokens_per_s, 100.0 * s.mfu);
+  return line;
+}
+
+}  // namespace llmpar::train

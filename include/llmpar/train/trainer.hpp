@@ -1,0 +1,111 @@
+// llmpar/train/trainer.hpp — the training loop: micro-batches, gradient accumulation,
+// clipping, AdamW, the schedule, evaluation, and the numbers a step reports.
+//
+// The loop is a template over the model so that any type with forward/backward/
+// zero_grad/parameter_store trains; the example trainers and the tests drive it the
+// same way. Nothing here is global: the context, the model, the loaders and the
+// configs are all passed in.
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+
+#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/data/dataset.hpp"
+#include "llmpar/optim/adamw.hpp"
+#include "llmpar/optim/schedule.hpp"
+#include "llmpar/train/metrics.hpp"
+
+namespace llmpar::train {
+
+struct TrainerConfig {
+  std::int64_t steps = 100;
+  std::int64_t grad_accum = 1;  // micro-batches per optimizer step
+  double peak_gflops = 0.0;     // MFU denominator; 0 leaves MFU at 0
+
+  void validate() const {
+    LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
+    LLMPAR_CHECK(grad_accum > 0, "grad_accum is ", grad_accum, "; use at least 1 micro-batch per step");
+    LLMPAR_CHECK(peak_gflops >= 0.0, "peak_gflops is ", peak_gflops, "; it must be >= 0");
+  }
+};
+
+template <class Model>
+class Trainer {
+ public:
+  Trainer(backend::cpu::Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
+          data::DataLoader& train, const TrainerConfig& cfg)
+      : ctx_(ctx), model_(model), optimizer_(model.parameter_store(), opt), schedule_(schedule), train_(train), cfg_(cfg) {
+    cfg.validate();
+    schedule.validate();
+  }
+
+  // One optimizer step over grad_accum micro-batches.
+  StepStats step() {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto& lc = train_.config();
+    const std::int64_t batch = lc.batch_size, seq = lc.seq_len;
+    model_.zero_grad();
+    double loss = 0.0;
+    for (std::int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+      const data::Batch b = train_.next();
+      loss += model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq, 1.0f / static_cast<float>(cfg_.grad_accum));
+      model_.backward(ctx_);
+    }
+    loss /= static_cast<double>(cfg_.grad_accum);
+    LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
+                 "; lower --lr, raise --warmup, or check the data");
+    const float lr = schedule_(step_);
+    const double norm = optimizer_.step(lr);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    StepStats s;
+    s.step = ++step_;
+    s.loss = loss;
+    s.lr = lr;
+    s.grad_norm = norm;
+    s.ms = 1e3 * seconds;
+    const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum);
+    s.tokens_per_s = tokens / seconds;
+    if (cfg_.peak_gflops > 0.0) {
+      const auto& mc = model_.config();
+      s.mfu = flops_per_token(model_.num_parameters(), mc.layers, mc.dim, seq) * s.tokens_per_s /
+              (cfg_.peak_gflops * 1e9);
+    }
+    return s;
+  }
+
+  // Mean loss over `batches` batches of `loader` (no gradient state is touched).
+  double evaluate(data::DataLoader& loader, std::int64_t batches) {
+    LLMPAR_CHECK(batches > 0, "evaluation needs at least 1 batch, got ", batches);
+    const auto& lc = loader.config();
+    double sum = 0.0;
+    for (std::int64_t i = 0; i < batches; ++i) {
+      const data::Batch b = loader.next();
+      sum += model_.evaluate(ctx_, b.inputs.data, b.targets.data, lc.batch_size, lc.seq_len);
+    }
+    return sum / static_cast<double>(batches);
+  }
+
+  // Runs the remaining steps, calling on_step after each.
+  void fit(const std::function<void(const StepStats&)>& on_step) {
+    while (step_ < cfg_.steps) on_step(step());
+  }
+
+  std::int64_t steps_done() const { return step_; }
+  optim::AdamW<float>& optimizer() { return optimizer_; }
+
+ private:
+  backend::cpu::Context& ctx_;
+  Model& model_;
+  optim::AdamW<float> optimizer_;
+  optim::CosineSchedule schedule_;
+  data::DataLoader& train_;
+  TrainerConfig cfg_;
+  std::int64_t step_ = 0;
+};
+
+}  // namespace llmpar::train

@@ -1,0 +1,18 @@
+// Uses the installed headers the way a trainer would, and checks a few known values.
+#include <cstdio>
+
+#include <llmpar/core/dtype.hpp>
+#include <llmpar/core/rng.hpp>
+
+int main() {
+  int failures = 0;
+  if (llmpar::bf16(1.0f).bits != 0x3F80) ++failures;
+  if (llmpar::f16(65504.0f).bits != 0x7BFF) ++failures;
+  if (static_cast<float>(llmpar::f16::from_bits(0x3C00)) != 1.0f) ++failures;
+  const auto stream = llmpar::rng::Stream::named(1234, "wte");
+  const float u = stream.uniform(0);
+  if (!(u > 0.0f && u < 1.0f) || u != stream.uniform(0)) ++failures;
+  if (llmpar::size_of(llmpar::DType::bf16) != 2) ++failures;
+  std::printf("llmpar package consumer: %s\n", failures == 0 ? "ok" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,429 @@
+// Data layer: shard format and its errors, the byte tokenizer, datasets, the sequential
+// loader (slices, wrap-around, data-parallel chunks) and the fortunes corpus.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "llmpar/core/error.hpp"
+#include "llmpar/data/dataset.hpp"
+#include "llmpar/data/shard.hpp"
+#include "llmpar/data/tokenizer.hpp"
+
+using namespace llmpar;
+using namespace llmpar::data;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory under the system temp dir, removed with everything in it.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "llmpar_test_data_XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  fs::path operator/(const std::string& name) const { return path / name; }
+};
+
+void write_bytes(const fs::path& p, const void* data, std::size_t n) {
+  std::ofstream out(p, std::ios::binary);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+  REQUIRE(out.good());
+}
+
+void write_text(const fs::path& p, const std::string& s) { write_bytes(p, s.data(), s.size()); }
+
+// A shard written by hand, so the reader is tested against the format, not the writer.
+void write_raw_shard(const fs::path& p, std::int32_t magic, std::int32_t version, std::int32_t count,
+                     const std::vector<std::uint16_t>& tokens) {
+  std::vector<unsigned char> bytes(1024 + tokens.size() * 2, 0);
+  const std::int32_t h[3] = {magic, version, count};
+  for (int i = 0; i < 3; ++i)
+    for (int b = 0; b < 4; ++b) bytes[i * 4 + b] = static_cast<unsigned char>(static_cast<std::uint32_t>(h[i]) >> (8 * b));
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    bytes[1024 + 2 * i] = static_cast<unsigned char>(tokens[i] & 0xff);
+    bytes[1024 + 2 * i + 1] = static_cast<unsigned char>(tokens[i] >> 8);
+  }
+  write_bytes(p, bytes.data(), bytes.size());
+}
+
+std::vector<std::uint16_t> iota_tokens(std::size_t n, int modulo = 65536) {
+  std::vector<std::uint16_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<std::uint16_t>(i % static_cast<std::size_t>(modulo));
+  return t;
+}
+
+std::vector<std::int32_t> to_vector(View<const std::int32_t> v) { return {v.begin(), v.end()}; }
+
+std::vector<std::int32_t> range(std::int32_t first, std::int32_t count) {
+  std::vector<std::int32_t> r(static_cast<std::size_t>(count));
+  std::iota(r.begin(), r.end(), first);
+  return r;
+}
+
+std::string error_of(auto&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+}  // namespace
+
+TEST_CASE("write_shard and TokenShard round-trip tokens in the llm.c byte layout") {
+  TempDir dir;
+  const auto tokens = iota_tokens(70000);  // spans all uint16 values and then wraps
+  write_shard(dir / "a.bin", tokens);
+
+  CHECK(fs::file_size(dir / "a.bin") == 1024 + 2 * tokens.size());
+  std::ifstream raw(dir / "a.bin", std::ios::binary);
+  std::array<unsigned char, 1030> head{};
+  raw.read(reinterpret_cast<char*>(head.data()), head.size());
+  CHECK(head[0] + (head[1] << 8) + (head[2] << 16) + (head[3] << 24) == 20240520);
+  CHECK(head[4] == 1);
+  CHECK(head[8] + (head[9] << 8) + (head[10] << 16) == 70000);
+  CHECK(head[1024 + 2] == 1);  // token 1, little-endian
+  CHECK(head[1024 + 3] == 0);
+
+  TokenShard shard(dir / "a.bin");
+  REQUIRE(shard.size() == tokens.size());
+  CHECK(shard[0] == 0);
+  CHECK(shard[65535] == 65535);
+  CHECK(shard[65536] == 0);
+  CHECK(std::equal(tokens.begin(), tokens.end(), shard.tokens().begin()));
+
+  TokenShard moved = std::move(shard);
+  CHECK(moved.size() == tokens.size());
+  CHECK(shard.size() == 0);
+
+  // An empty shard is valid; rewriting replaces the file and leaves no temporary behind.
+  write_shard(dir / "a.bin", std::vector<std::uint16_t>{});
+  CHECK(TokenShard(dir / "a.bin").size() == 0);
+  write_shard(dir / "a.bin", std::vector<std::uint16_t>{7, 8, 9});
+  CHECK(TokenShard(dir / "a.bin")[2] == 9);
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir.path)) ++entries;
+  CHECK(entries == 1);
+}
+
+TEST_CASE("write_shard into a missing directory names the directory") {
+  TempDir dir;
+  const std::vector<std::uint16_t> t{1, 2};
+  CHECK(error_of([&] { write_shard(dir / "nope/a.bin", t); }).find("in directory '" + (dir / "nope").string() + "'")
+        != std::string::npos);
+}
+
+TEST_CASE("each corrupt shard gets an error naming the file, the problem and the fix") {
+  TempDir dir;
+  SUBCASE("missing file") {
+    const std::string e = error_of([&] { TokenShard s(dir / "missing.bin"); });
+    CHECK(e.find("cannot open token shard '" + (dir / "missing.bin").string() + "'") != std::string::npos);
+    CHECK(e.find("No such file or directory") != std::string::npos);
+    CHECK(e.find("prepare_data --out PREFIX") != std::string::npos);
+  }
+  SUBCASE("shorter than the header") {
+    write_text(dir / "short.bin", std::string(100, 'x'));
+    const std::string e = error_of([&] { TokenShard s(dir / "short.bin"); });
+    CHECK(e.find("short.bin' is 100 bytes, shorter than the 1024-byte shard header") != std::string::npos);
+  }
+  SUBCASE("wrong magic: a raw text file") {
+    std::string text;
+    while (text.size() < 3000) text += "First Citizen:\nBefore we proceed any further, hear me speak.\n";
+    write_text(dir / "input.txt", text);
+    const std::string e = error_of([&] { TokenShard s(dir / "input.txt"); });
+    CHECK(e.find("has magic 1936877894") != std::string::npos);  // "Firs" as little-endian int32
+    CHECK(e.find("'Firs'") != std::string::npos);
+    CHECK(e.find("expected 20240520") != std::string::npos);
+    CHECK(e.find("raw text file") != std::string::npos);
+    CHECK(e.find("prepare_data --out PREFIX " + (dir / "input.txt").string()) != std::string::npos);
+  }
+  SUBCASE("unsupported version") {
+    write_raw_shard(dir / "v2.bin", 20240520, 2, 3, {1, 2, 3});
+    const std::string e = error_of([&] { TokenShard s(dir / "v2.bin"); });
+    CHECK(e.find("v2.bin' has version 2; this reader supports only version 1") != std::string::npos);
+    CHECK(e.find("uint32 tokens") != std::string::npos);
+  }
+  SUBCASE("truncated body") {
+    write_raw_shard(dir / "cut.bin", 20240520, 1, 100, iota_tokens(50));
+    const std::string e = error_of([&] { TokenShard s(dir / "cut.bin"); });
+    CHECK(e.find("cut.bin' header says 100 tokens, so expected 1224 bytes, but the file is 1124 bytes (truncated")
+          != std::string::npos);
+  }
+  SUBCASE("trailing bytes") {
+    write_raw_shard(dir / "long.bin", 20240520, 1, 2, iota_tokens(3));
+    CHECK(error_of([&] { TokenShard s(dir / "long.bin"); }).find("trailing bytes") != std::string::npos);
+  }
+  SUBCASE("a directory") {
+    fs::create_directory(dir / "d.bin");
+    CHECK(error_of([&] { TokenShard s(dir / "d.bin"); }).find("d.bin' is a directory") != std::string::npos);
+  }
+}
+
+TEST_CASE("a hand-written shard reads back exactly") {
+  TempDir dir;
+  write_raw_shard(dir / "h.bin", 20240520, 1, 4, {0x0102, 0xfffe, 0, 258});
+  TokenShard s(dir / "h.bin");
+  REQUIRE(s.size() == 4);
+  CHECK(s[0] == 0x0102);
+  CHECK(s[1] == 0xfffe);
+  CHECK(s[3] == 258);
+}
+
+TEST_CASE("a token id at or above the vocab size is an error naming file, position, id and vocab") {
+  TempDir dir;
+  auto tokens = iota_tokens(20, 10);
+  tokens[7] = 300;
+  write_shard(dir / "x_train_000.bin", iota_tokens(20, 10));
+  write_shard(dir / "x_train_001.bin", tokens);
+  const std::string e = error_of([&] { TokenDataset::from_shards((dir / "x_train_*.bin").string(), 256); });
+  CHECK(e.find("'" + (dir / "x_train_001.bin").string() + "' holds token id 300 at position 7, but the vocab size is 256")
+        != std::string::npos);
+  // A vocab exactly one above the largest id is fine.
+  CHECK(TokenDataset::from_shards((dir / "x_train_*.bin").string(), 301).num_tokens() == 40);
+
+  const std::string m = error_of([] { TokenDataset::from_tokens({1, 2, 256}, 256, "corpus"); });
+  CHECK(m.find("'corpus' holds token id 256 at position 2, but the vocab size is 256") != std::string::npos);
+}
+
+TEST_CASE("a glob that matches nothing says how to create the shards") {
+  TempDir dir;
+  const std::string pattern = (dir / "x_train*.bin").string();
+  const std::string e = error_of([&] { TokenDataset::from_shards(pattern, 256); });
+  CHECK(e.find("no shard matches '" + pattern + "'; run `prepare_data --out " + (dir / "x").string() + " FILE...`")
+        != std::string::npos);
+}
+
+TEST_CASE("shards are opened in byte order of their names") {
+  TempDir dir;
+  write_shard(dir / "d_train_B.bin", std::vector<std::uint16_t>{2});
+  write_shard(dir / "d_train_a.bin", std::vector<std::uint16_t>{3});
+  write_shard(dir / "d_train_A.bin", std::vector<std::uint16_t>{1});
+  const auto ds = TokenDataset::from_shards((dir / "d_train_*.bin").string(), 256);
+  REQUIRE(ds.num_shards() == 3);
+  CHECK(ds.shard(0)[0] == 1);
+  CHECK(ds.shard(1)[0] == 2);
+  CHECK(ds.shard(2)[0] == 3);
+  CHECK(ds.shard_name(2) == (dir / "d_train_a.bin").string());
+}
+
+TEST_CASE("DataLoader batches are consecutive B*T+1 slices with targets shifted by one") {
+  const auto ds = TokenDataset::from_tokens(iota_tokens(100), 65536);
+  DataLoader loader(ds, {.batch_size = 2, .seq_len = 3});
+  CHECK(loader.batches_per_epoch() == 16);  // (100 - 1) / 6
+  Batch b = loader.next();
+  CHECK(b.inputs.shape == Shape{2, 3});
+  CHECK(b.targets.shape == Shape{2, 3});
+  CHECK(to_vector(b.inputs) == range(0, 6));
+  CHECK(to_vector(b.targets) == range(1, 6));
+  b = loader.next();
+  CHECK(to_vector(b.inputs) == range(6, 6));
+  CHECK(to_vector(b.targets) == range(7, 6));
+  CHECK(b.inputs[3] == 9);  // row 1, column 0
+}
+
+TEST_CASE("DataLoader wraps to the start after the last full batch and counts epochs") {
+  // 25 tokens, B*T = 6: windows at 0, 6, 12, 18 (18 + 6 + 1 = 25 fits exactly).
+  const auto ds = TokenDataset::from_tokens(iota_tokens(25), 256);
+  DataLoader loader(ds, {.batch_size = 2, .seq_len = 3});
+  CHECK(loader.batches_per_epoch() == 4);
+  for (int i = 0; i < 4; ++i) {
+    CHECK(loader.epoch() == 0);
+    const Batch b = loader.next();
+    CHECK(b.inputs[0] == 6 * i);
+    CHECK(b.targets[5] == 6 * i + 6);
+  }
+  CHECK(loader.epoch() == 1);
+  CHECK(loader.next().inputs[0] == 0);
+  loader.next();
+  loader.reset();
+  CHECK(loader.epoch() == 0);
+  CHECK(loader.next().inputs[0] == 0);
+}
+
+TEST_CASE("a batch never spans two shards") {
+  TempDir dir;
+  std::vector<std::uint16_t> a(20), b(14);
+  std::iota(a.begin(), a.end(), 0);
+  std::iota(b.begin(), b.end(), 100);
+  write_shard(dir / "s_train_0.bin", a);
+  write_shard(dir / "s_train_1.bin", b);
+  const auto ds = TokenDataset::from_shards((dir / "s_train_*.bin").string(), 256);
+  DataLoader loader(ds, {.batch_size = 2, .seq_len = 3});
+  CHECK(loader.batches_per_epoch() == 3 + 2);
+  const std::vector<int> starts{0, 6, 12, 100, 106, 0};  // shard 0 ends at 18 + 7 > 20
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    const Batch batch = loader.next();
+    CHECK(batch.inputs[0] == starts[i]);
+    CHECK(batch.targets[5] == starts[i] + 6);
+  }
+  CHECK(loader.epoch() == 1);
+}
+
+TEST_CASE("rank r of w reads the r-th of w consecutive chunks; together they read what one rank reads") {
+  const int B = 2, T = 4, world = 3;
+  const auto ds = TokenDataset::from_tokens(iota_tokens(200), 256);
+  DataLoader serial(ds, {.batch_size = B * world, .seq_len = T});
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < world; ++r) ranks.emplace_back(ds, LoaderConfig{.batch_size = B, .seq_len = T, .rank = r, .world = world});
+  CHECK(serial.batches_per_epoch() == 8);  // (200 - 1) / 24
+  for (int step = 0; step < 10; ++step) {  // across the wrap-around
+    const Batch whole = serial.next();
+    std::vector<std::int32_t> inputs, targets;
+    for (int r = 0; r < world; ++r) {
+      CHECK(ranks[static_cast<std::size_t>(r)].batches_per_epoch() == serial.batches_per_epoch());
+      const Batch part = ranks[static_cast<std::size_t>(r)].next();
+      CHECK(part.inputs.shape == Shape{B, T});
+      // Consecutive, disjoint chunks of the window: rank r starts r*B*T after rank 0.
+      CHECK(part.inputs[0] == whole.inputs[0] + r * B * T);
+      const auto in = to_vector(part.inputs), tg = to_vector(part.targets);
+      inputs.insert(inputs.end(), in.begin(), in.end());
+      targets.insert(targets.end(), tg.begin(), tg.end());
+    }
+    CHECK(inputs == to_vector(whole.inputs));
+    CHECK(targets == to_vector(whole.targets));
+  }
+  CHECK(ranks[1].epoch() == serial.epoch());
+}
+
+TEST_CASE("DataLoader rejects a shard too small for one batch and bad configs") {
+  const auto ds = TokenDataset::from_tokens(iota_tokens(24), 256, "tiny");
+  const std::string e = error_of([&] { DataLoader l(ds, {.batch_size = 2, .seq_len = 4, .rank = 0, .world = 3}); });
+  CHECK(e.find("'tiny' has 24 tokens, too few for one batch: batch size B=2 x sequence length T=4 x world 3 + 1 = 25")
+        != std::string::npos);
+  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 23, .seq_len = 1}); }) == "<no error>");
+  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 0, .seq_len = 4}); }).find("LoaderConfig.batch_size is 0")
+        != std::string::npos);
+  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 1, .seq_len = 2, .rank = 2, .world = 2}); })
+            .find("LoaderConfig.rank is 2; it must be in [0, world) = [0, 2)") != std::string::npos);
+}
+
+TEST_CASE("a restored loader state resumes exactly where it was saved") {
+  const auto ds = TokenDataset::from_tokens(iota_tokens(100), 256);
+  DataLoader a(ds, {.batch_size = 2, .seq_len = 3});
+  for (int i = 0; i < 20; ++i) a.next();
+  const LoaderState saved = a.state();
+  CHECK(saved.epoch == 1);
+  DataLoader b(ds, {.batch_size = 2, .seq_len = 3});
+  b.restore(saved);
+  CHECK(b.state() == saved);
+  CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
+  CHECK(error_of([&] { b.restore({.shard = 0, .position = 5, .epoch = 0}); }).find("position 5") != std::string::npos);
+  CHECK(error_of([&] { b.restore({.shard = 1, .position = 0, .epoch = 0}); }).find("names shard 1") != std::string::npos);
+}
+
+TEST_CASE("the byte tokenizer round-trips any bytes and rejects ids it cannot decode") {
+  const ByteTokenizer tok;
+  CHECK(tok.vocab_size() == 256);
+  std::string all(256, '\0');
+  for (int i = 0; i < 256; ++i) all[static_cast<std::size_t>(i)] = static_cast<char>(i);
+  const std::string text = "héllo, wörld \n\t" + all;
+  const auto ids = tok.encode(text);
+  REQUIRE(ids.size() == text.size());
+  CHECK(ids[0] == 'h');
+  CHECK(ids[1] == 0xC3);  // first byte of UTF-8 'é', as an unsigned byte
+  CHECK(tok.decode(ids) == text);
+  const std::vector<std::uint16_t> bad{65, 256};
+  CHECK(error_of([&] { (void)tok.decode(bad); }).find("cannot decode token id 256 at position 1") != std::string::npos);
+}
+
+TEST_CASE("unigram entropy is in nats") {
+  const std::vector<std::uint16_t> uniform{0, 1, 2, 3, 0, 1, 2, 3};
+  CHECK(unigram_entropy(uniform) == doctest::Approx(std::log(4.0)));
+  CHECK(unigram_entropy(std::vector<std::uint16_t>(10, 7)) == 0.0);
+  CHECK(unigram_entropy({}) == 0.0);
+}
+
+TEST_CASE("the fortunes loader reads plain-text files in name order and splits by whole fortunes") {
+  TempDir dir;
+  // b holds fortunes 1..4 ('%' lines separate; the file ends with one, like Debian's);
+  // a holds fortune 0 with no trailing newline. a.dat, a.u8, .hidden and off/ are skipped.
+  write_text(dir / "b", "one\n%\ntwo\nlines\n%\n%\nthree\n%\nfour\n%\n");
+  write_text(dir / "a", "zero");
+  write_text(dir / "a.dat", std::string("\x00\x00\x00\x02" "binary index", 16));
+  fs::create_symlink("a", dir / "a.u8");
+  write_text(dir / ".hidden", "secret\n");
+  fs::create_directory(dir / "off");
+  write_text(dir / "off" / "x", "offensive\n");
+
+  const ByteTokenizer tok;
+  const TextCorpus all = load_text_corpus(dir.path, 0.0);
+  CHECK(all.files == std::vector<fs::path>{dir / "a", dir / "b"});
+  CHECK(all.documents == 5);
+  CHECK(all.vocab_size == 256);
+  CHECK(tok.decode(all.train) == "zero\n\none\n\ntwo\nlines\n\nthree\n\nfour\n\n");
+  CHECK(all.val.empty());
+
+  // 0.4 of 5 fortunes: floor((i+1)*0.4) > floor(i*0.4) for i = 2 and 4.
+  const TextCorpus split = load_text_corpus(dir.path, 0.4);
+  CHECK(split.val_documents == 2);
+  CHECK(tok.decode(split.train) == "zero\n\none\n\nthree\n\n");
+  CHECK(tok.decode(split.val) == "two\nlines\n\nfour\n\n");
+
+  CHECK(error_of([&] { load_text_corpus(dir.path, 0.1); }).find("leaves the validation split empty") != std::string::npos);
+  CHECK(error_of([&] { load_text_corpus(dir.path, 1.0); }).find("val_fraction 1 is out of range") != std::string::npos);
+}
+
+TEST_CASE("a missing or empty fortunes directory says to install the fortunes package") {
+  TempDir dir;
+  const std::string missing = error_of([&] { load_text_corpus(dir / "nowhere"); });
+  CHECK(missing.find("nowhere' does not exist") != std::string::npos);
+  CHECK(missing.find("apt-get install fortunes") != std::string::npos);
+  CHECK(missing.find("--data") != std::string::npos);
+  write_text(dir / "only.dat", "x");
+  const std::string empty = error_of([&] { load_text_corpus(dir.path); });
+  CHECK(empty.find("has no fortune files") != std::string::npos);
+  CHECK(empty.find("apt-get install fortunes") != std::string::npos);
+}
+
+TEST_CASE("text files are split per file at a line start near the validation fraction") {
+  TempDir dir;
+  write_text(dir / "t1.txt", "aaaa\nbbbb\ncccc\ndddd\n");  // 20 bytes: 0.2 cuts at 16, the nearest line start is 15
+  write_text(dir / "t2.txt", "xy");                        // too short to give validation bytes
+  const std::vector<fs::path> files{dir / "t1.txt", dir / "t2.txt"};
+  const TextCorpus c = load_text_files(files, 0.2);
+  const ByteTokenizer tok;
+  CHECK(tok.decode(c.train) == "aaaa\nbbbb\ncccc\nxy");
+  CHECK(tok.decode(c.val) == "dddd\n");
+  CHECK(c.documents == 2);
+  CHECK(c.val_documents == 1);
+  CHECK(error_of([&] { load_text_files(std::vector<fs::path>{dir / "none.txt"}); }).find("none.txt'")
+        != std::string::npos);
+}
+
+TEST_CASE("the installed fortunes corpus loads (skipped without the fortunes package)") {
+  if (!fs::is_directory(kDefaultFortunesDir)) {
+    MESSAGE("skipped: ", kDefaultFortunesDir, " is absent (apt-get install fortunes)");
+    return;
+  }
+  const TextCorpus c = load_text_corpus();
+  MESSAGE("fortunes: ", c.files.size(), " files, ", c.documents, " fortunes, ", c.train.size(), " train + ",
+          c.val.size(), " val bytes, unigram entropy ", unigram_entropy(c.train), " nats");
+  CHECK(c.files.size() > 0);
+  CHECK(c.documents > 100);
+  const double val_share = static_cast<double>(c.val.size()) / static_cast<double>(c.train.size() + c.val.size());
+  CHECK(val_share > 0.05);
+  CHECK(val_share < 0.15);
+  // English text in bytes: well below uniform (ln 256 = 5.55) and above ln 26.
+  const double h = unigram_entropy(c.train);
+  CHECK(h > 2.5);
+  CHECK(h < 4.0);
+  const auto ds = TokenDataset::from_tokens(c.train, c.vocab_size, "fortunes train");
+  DataLoader loader(ds, {.batch_size = 4, .seq_len = 64});
+  CHECK(loader.next().inputs.numel() == 256);
+}
