@@ -12,7 +12,7 @@ set(llmpar_cuda_headers ${llmpar_public_headers})
 list(FILTER llmpar_cuda_headers INCLUDE REGEX "^llmpar/backend/cuda/")
 list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/backend/cuda/")
 
-set(header_check_dir ${CMAKE_CURRENT_BINARY_DIR}/header_check)
+set(header_check_dir ${CMAKE_CURRENT_BINARY_DIR}/header_check_sources)
 
 # Writes one checking source per header into `out_var`; file(CONFIGURE) leaves a file
 # that did not change untouched, so reconfiguring rebuilds nothing.

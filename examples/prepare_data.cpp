@@ -8,7 +8,6 @@
 // each, from a line start, is validation); fortunes are split by whole fortunes (every
 // 10th for 0.1). Both shards are always written, so a rerun never leaves a stale one.
 #include <CLI/CLI.hpp>
-
 #include <exception>
 #include <filesystem>
 #include <iomanip>
@@ -48,8 +47,12 @@ int main(int argc, char** argv) {
     if (app.count("--fortunes-dir") > 0) fortunes = true;
 
     if (files.empty() && !fortunes) {
-      std::cerr << "prepare_data: no input; give text FILEs, or --fortunes for the fortunes corpus\n"
-                << app.help();
+      std::cerr << "prepare_data: no input; give text FILEs, or --fortunes for the fortunes corpus\n" << app.help();
+      return 1;
+    }
+    if (!(val_fraction >= 0.0 && val_fraction < 1.0)) {
+      std::cerr << "prepare_data: --val-fraction " << val_fraction
+                << " is out of range; it must be in [0, 1) (0.1 keeps a tenth of the text for validation)\n";
       return 1;
     }
     if (out.empty() || out.back() == '/') {
@@ -84,8 +87,8 @@ int main(int argc, char** argv) {
 
     std::cout << "wrote " << train_path << ": " << corpus.train.size() << " tokens\n"
               << "wrote " << val_path << ": " << corpus.val.size() << " tokens\n"
-              << "tokenizer: bytes (vocab " << tokenizer.vocab_size() << "); unigram entropy of train "
-              << std::fixed << std::setprecision(3) << data::unigram_entropy(corpus.train) << " nats/token\n";
+              << "tokenizer: bytes (vocab " << tokenizer.vocab_size() << "); unigram entropy of train " << std::fixed
+              << std::setprecision(3) << data::unigram_entropy(corpus.train) << " nats/token\n";
     if (corpus.val.empty())
       std::cout << "note: the validation shard is empty; raise --val-fraction or give more text to validate\n";
     return 0;

@@ -107,8 +107,10 @@ int run(const Options& o) {
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps};
   train::Trainer<models::GPT2<float>> trainer(ctx, model, opt, schedule, train_loader,
                                               {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak});
+  // Never count a validation batch twice: at most one pass over the validation data.
+  const std::int64_t eval_batches = std::min(o.eval_batches, val_loader.batches_per_epoch());
   auto run_eval = [&](std::int64_t step) {
-    const double val = trainer.evaluate(val_loader, o.eval_batches);
+    const double val = trainer.evaluate(val_loader, eval_batches);
     val_loader.reset();
     std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step), val);
     metrics.write({{"type", "eval"}, {"step", step}, {"val_loss", val}});

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,8 @@ void write_raw_shard(const fs::path& p, std::int32_t magic, std::int32_t version
   std::vector<unsigned char> bytes(1024 + tokens.size() * 2, 0);
   const std::int32_t h[3] = {magic, version, count};
   for (int i = 0; i < 3; ++i)
-    for (int b = 0; b < 4; ++b) bytes[i * 4 + b] = static_cast<unsigned char>(static_cast<std::uint32_t>(h[i]) >> (8 * b));
+    for (int b = 0; b < 4; ++b)
+      bytes[i * 4 + b] = static_cast<unsigned char>(static_cast<std::uint32_t>(h[i]) >> (8 * b));
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     bytes[1024 + 2 * i] = static_cast<unsigned char>(tokens[i] & 0xff);
     bytes[1024 + 2 * i + 1] = static_cast<unsigned char>(tokens[i] >> 8);
@@ -73,6 +75,14 @@ std::vector<std::int32_t> range(std::int32_t first, std::int32_t count) {
   std::vector<std::int32_t> r(static_cast<std::size_t>(count));
   std::iota(r.begin(), r.end(), first);
   return r;
+}
+
+// Builds expected messages (GCC 12 warns falsely on `"literal" + std::string&&`).
+template <class... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
 }
 
 std::string error_of(auto&& f) {
@@ -125,22 +135,30 @@ TEST_CASE("write_shard and TokenShard round-trip tokens in the llm.c byte layout
 TEST_CASE("write_shard into a missing directory names the directory") {
   TempDir dir;
   const std::vector<std::uint16_t> t{1, 2};
-  CHECK(error_of([&] { write_shard(dir / "nope/a.bin", t); }).find("in directory '" + (dir / "nope").string() + "'")
-        != std::string::npos);
+  CHECK(error_of([&] {
+          write_shard(dir / "nope/a.bin", t);
+        }).find(cat("in directory '", (dir / "nope").string(), "'")) != std::string::npos);
 }
 
 TEST_CASE("each corrupt shard gets an error naming the file, the problem and the fix") {
   TempDir dir;
   SUBCASE("missing file") {
     const std::string e = error_of([&] { TokenShard s(dir / "missing.bin"); });
-    CHECK(e.find("cannot open token shard '" + (dir / "missing.bin").string() + "'") != std::string::npos);
+    CHECK(e.find(cat("cannot open token shard '", (dir / "missing.bin").string(), "'")) != std::string::npos);
     CHECK(e.find("No such file or directory") != std::string::npos);
     CHECK(e.find("prepare_data --out PREFIX") != std::string::npos);
   }
   SUBCASE("shorter than the header") {
-    write_text(dir / "short.bin", std::string(100, 'x'));
+    write_text(dir / "short.bin", std::string(100, '\0'));
     const std::string e = error_of([&] { TokenShard s(dir / "short.bin"); });
-    CHECK(e.find("short.bin' is 100 bytes, shorter than the 1024-byte shard header") != std::string::npos);
+    CHECK(e.find("short.bin' is 100 bytes, shorter than the 1024-byte shard header; it is truncated") !=
+          std::string::npos);
+    // A short text file is recognised as text.
+    write_text(dir / "short.txt", "to be\n");
+    const std::string t = error_of([&] { TokenShard s(dir / "short.txt"); });
+    CHECK(t.find("is 6 bytes, shorter than the 1024-byte shard header (its first bytes read 'to b'") !=
+          std::string::npos);
+    CHECK(t.find(cat("prepare_data --out PREFIX ", (dir / "short.txt").string())) != std::string::npos);
   }
   SUBCASE("wrong magic: a raw text file") {
     std::string text;
@@ -151,7 +169,7 @@ TEST_CASE("each corrupt shard gets an error naming the file, the problem and the
     CHECK(e.find("'Firs'") != std::string::npos);
     CHECK(e.find("expected 20240520") != std::string::npos);
     CHECK(e.find("raw text file") != std::string::npos);
-    CHECK(e.find("prepare_data --out PREFIX " + (dir / "input.txt").string()) != std::string::npos);
+    CHECK(e.find(cat("prepare_data --out PREFIX ", (dir / "input.txt").string())) != std::string::npos);
   }
   SUBCASE("unsupported version") {
     write_raw_shard(dir / "v2.bin", 20240520, 2, 3, {1, 2, 3});
@@ -162,8 +180,8 @@ TEST_CASE("each corrupt shard gets an error naming the file, the problem and the
   SUBCASE("truncated body") {
     write_raw_shard(dir / "cut.bin", 20240520, 1, 100, iota_tokens(50));
     const std::string e = error_of([&] { TokenShard s(dir / "cut.bin"); });
-    CHECK(e.find("cut.bin' header says 100 tokens, so expected 1224 bytes, but the file is 1124 bytes (truncated")
-          != std::string::npos);
+    CHECK(e.find("cut.bin' header says 100 tokens, so expected 1224 bytes, but the file is 1124 bytes (truncated") !=
+          std::string::npos);
   }
   SUBCASE("trailing bytes") {
     write_raw_shard(dir / "long.bin", 20240520, 1, 2, iota_tokens(3));
@@ -192,8 +210,8 @@ TEST_CASE("a token id at or above the vocab size is an error naming file, positi
   write_shard(dir / "x_train_000.bin", iota_tokens(20, 10));
   write_shard(dir / "x_train_001.bin", tokens);
   const std::string e = error_of([&] { TokenDataset::from_shards((dir / "x_train_*.bin").string(), 256); });
-  CHECK(e.find("'" + (dir / "x_train_001.bin").string() + "' holds token id 300 at position 7, but the vocab size is 256")
-        != std::string::npos);
+  CHECK(e.find(cat("'", (dir / "x_train_001.bin").string(),
+                   "' holds token id 300 at position 7, but the vocab size is 256")) != std::string::npos);
   // A vocab exactly one above the largest id is fine.
   CHECK(TokenDataset::from_shards((dir / "x_train_*.bin").string(), 301).num_tokens() == 40);
 
@@ -205,8 +223,8 @@ TEST_CASE("a glob that matches nothing says how to create the shards") {
   TempDir dir;
   const std::string pattern = (dir / "x_train*.bin").string();
   const std::string e = error_of([&] { TokenDataset::from_shards(pattern, 256); });
-  CHECK(e.find("no shard matches '" + pattern + "'; run `prepare_data --out " + (dir / "x").string() + " FILE...`")
-        != std::string::npos);
+  CHECK(e.find(cat("no shard matches '", pattern, "'; run `prepare_data --out ", (dir / "x").string(), " FILE...`")) !=
+        std::string::npos);
 }
 
 TEST_CASE("shards are opened in byte order of their names") {
@@ -280,7 +298,8 @@ TEST_CASE("rank r of w reads the r-th of w consecutive chunks; together they rea
   const auto ds = TokenDataset::from_tokens(iota_tokens(200), 256);
   DataLoader serial(ds, {.batch_size = B * world, .seq_len = T});
   std::vector<DataLoader> ranks;
-  for (int r = 0; r < world; ++r) ranks.emplace_back(ds, LoaderConfig{.batch_size = B, .seq_len = T, .rank = r, .world = world});
+  for (int r = 0; r < world; ++r)
+    ranks.emplace_back(ds, LoaderConfig{.batch_size = B, .seq_len = T, .rank = r, .world = world});
   CHECK(serial.batches_per_epoch() == 8);  // (200 - 1) / 24
   for (int step = 0; step < 10; ++step) {  // across the wrap-around
     const Batch whole = serial.next();
@@ -304,13 +323,15 @@ TEST_CASE("rank r of w reads the r-th of w consecutive chunks; together they rea
 TEST_CASE("DataLoader rejects a shard too small for one batch and bad configs") {
   const auto ds = TokenDataset::from_tokens(iota_tokens(24), 256, "tiny");
   const std::string e = error_of([&] { DataLoader l(ds, {.batch_size = 2, .seq_len = 4, .rank = 0, .world = 3}); });
-  CHECK(e.find("'tiny' has 24 tokens, too few for one batch: batch size B=2 x sequence length T=4 x world 3 + 1 = 25")
-        != std::string::npos);
+  CHECK(
+      e.find("'tiny' has 24 tokens, too few for one batch: batch size B=2 x sequence length T=4 x world 3 + 1 = 25") !=
+      std::string::npos);
   CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 23, .seq_len = 1}); }) == "<no error>");
-  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 0, .seq_len = 4}); }).find("LoaderConfig.batch_size is 0")
-        != std::string::npos);
-  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 1, .seq_len = 2, .rank = 2, .world = 2}); })
-            .find("LoaderConfig.rank is 2; it must be in [0, world) = [0, 2)") != std::string::npos);
+  CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 0, .seq_len = 4}); }).find("LoaderConfig.batch_size is 0") !=
+        std::string::npos);
+  CHECK(error_of([&] {
+          DataLoader l(ds, {.batch_size = 1, .seq_len = 2, .rank = 2, .world = 2});
+        }).find("LoaderConfig.rank is 2; it must be in [0, world) = [0, 2)") != std::string::npos);
 }
 
 TEST_CASE("a restored loader state resumes exactly where it was saved") {
@@ -324,7 +345,8 @@ TEST_CASE("a restored loader state resumes exactly where it was saved") {
   CHECK(b.state() == saved);
   CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
   CHECK(error_of([&] { b.restore({.shard = 0, .position = 5, .epoch = 0}); }).find("position 5") != std::string::npos);
-  CHECK(error_of([&] { b.restore({.shard = 1, .position = 0, .epoch = 0}); }).find("names shard 1") != std::string::npos);
+  CHECK(error_of([&] { b.restore({.shard = 1, .position = 0, .epoch = 0}); }).find("names shard 1") !=
+        std::string::npos);
 }
 
 TEST_CASE("the byte tokenizer round-trips any bytes and rejects ids it cannot decode") {
@@ -332,7 +354,7 @@ TEST_CASE("the byte tokenizer round-trips any bytes and rejects ids it cannot de
   CHECK(tok.vocab_size() == 256);
   std::string all(256, '\0');
   for (int i = 0; i < 256; ++i) all[static_cast<std::size_t>(i)] = static_cast<char>(i);
-  const std::string text = "héllo, wörld \n\t" + all;
+  const std::string text = cat("héllo, wörld \n\t", all);
   const auto ids = tok.encode(text);
   REQUIRE(ids.size() == text.size());
   CHECK(ids[0] == 'h');
@@ -355,7 +377,9 @@ TEST_CASE("the fortunes loader reads plain-text files in name order and splits b
   // a holds fortune 0 with no trailing newline. a.dat, a.u8, .hidden and off/ are skipped.
   write_text(dir / "b", "one\n%\ntwo\nlines\n%\n%\nthree\n%\nfour\n%\n");
   write_text(dir / "a", "zero");
-  write_text(dir / "a.dat", std::string("\x00\x00\x00\x02" "binary index", 16));
+  write_text(dir / "a.dat", std::string("\x00\x00\x00\x02"
+                                        "binary index",
+                                        16));
   fs::create_symlink("a", dir / "a.u8");
   write_text(dir / ".hidden", "secret\n");
   fs::create_directory(dir / "off");
@@ -375,7 +399,8 @@ TEST_CASE("the fortunes loader reads plain-text files in name order and splits b
   CHECK(tok.decode(split.train) == "zero\n\none\n\nthree\n\n");
   CHECK(tok.decode(split.val) == "two\nlines\n\nfour\n\n");
 
-  CHECK(error_of([&] { load_text_corpus(dir.path, 0.1); }).find("leaves the validation split empty") != std::string::npos);
+  CHECK(error_of([&] { load_text_corpus(dir.path, 0.1); }).find("leaves the validation split empty") !=
+        std::string::npos);
   CHECK(error_of([&] { load_text_corpus(dir.path, 1.0); }).find("val_fraction 1 is out of range") != std::string::npos);
 }
 
@@ -402,8 +427,8 @@ TEST_CASE("text files are split per file at a line start near the validation fra
   CHECK(tok.decode(c.val) == "dddd\n");
   CHECK(c.documents == 2);
   CHECK(c.val_documents == 1);
-  CHECK(error_of([&] { load_text_files(std::vector<fs::path>{dir / "none.txt"}); }).find("none.txt'")
-        != std::string::npos);
+  CHECK(error_of([&] { load_text_files(std::vector<fs::path>{dir / "none.txt"}); }).find("none.txt'") !=
+        std::string::npos);
 }
 
 TEST_CASE("the installed fortunes corpus loads (skipped without the fortunes package)") {

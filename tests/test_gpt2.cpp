@@ -62,7 +62,9 @@ TEST_CASE("GPT-2 gradients of every parameter match central finite differences i
       p->value[i] = saved;
       const double numeric = (up - down) / (2 * h);
       const double analytic = p->grad[i];
-      const double err = std::abs(numeric - analytic) / std::max(1e-6, std::abs(numeric) + std::abs(analytic));
+      // Relative error, with an absolute floor for gradients that are zero by symmetry
+      // (the key bias shifts every score of a row equally, which softmax ignores).
+      const double err = std::abs(numeric - analytic) / std::max(1e-4, std::abs(numeric) + std::abs(analytic));
       worst = std::max(worst, err);
       INFO(p->name, "[", i, "] analytic ", analytic, " numeric ", numeric);
       CHECK(err < 1e-6);
@@ -140,6 +142,7 @@ TEST_CASE("AdamW steps overfit one batch: the loss falls by more than half") {
   for (int step = 0; step < 60; ++step) {
     model.zero_grad();
     last = model.forward(ctx, tokens.data(), targets.data(), 2, 6);
+    model.backward(ctx);
     if (step == 0) first = last;
     const double norm = opt.step(3e-2f);
     REQUIRE(std::isfinite(norm));

@@ -132,8 +132,8 @@ class TokenDataset {
 
   void add_part(std::string name, std::span<const std::uint16_t> tokens) {
     const std::int64_t bad = detail::first_out_of_vocab(tokens, vocab_size_);
-    LLMPAR_CHECK(bad < 0, "'", name, "' holds token id ", tokens[static_cast<std::size_t>(bad)],
-                 " at position ", bad, ", but the vocab size is ", vocab_size_,
+    LLMPAR_CHECK(bad < 0, "'", name, "' holds token id ", tokens[static_cast<std::size_t>(bad)], " at position ", bad,
+                 ", but the vocab size is ", vocab_size_,
                  "; the data was tokenized with a different tokenizer — regenerate it with the model's tokenizer, "
                  "or set the model's vocab size to at least the tokenizer's");
     names_.push_back(std::move(name));
@@ -177,8 +177,7 @@ class DataLoader {
   DataLoader(const TokenDataset& data, LoaderConfig config) : data_(&data), config_(config) {
     LLMPAR_CHECK(config.batch_size >= 1, "LoaderConfig.batch_size is ", config.batch_size,
                  "; it must be >= 1 (rows per batch on each rank)");
-    LLMPAR_CHECK(config.seq_len >= 1, "LoaderConfig.seq_len is ", config.seq_len,
-                 "; it must be >= 1 (tokens per row)");
+    LLMPAR_CHECK(config.seq_len >= 1, "LoaderConfig.seq_len is ", config.seq_len, "; it must be >= 1 (tokens per row)");
     LLMPAR_CHECK(config.world >= 1, "LoaderConfig.world is ", config.world,
                  "; it must be >= 1 (the number of data-parallel ranks)");
     LLMPAR_CHECK(config.rank >= 0 && config.rank < config.world, "LoaderConfig.rank is ", config.rank,
@@ -189,8 +188,8 @@ class DataLoader {
     for (std::size_t i = 0; i < data.num_shards(); ++i) {
       const auto n = static_cast<std::int64_t>(data.shard(i).size());
       LLMPAR_CHECK(n >= stride_ + 1, "'", data.shard_name(i), "' has ", n,
-                   " tokens, too few for one batch: batch size B=", config.batch_size, " x sequence length T=",
-                   config.seq_len, " x world ", config.world, " + 1 = ", stride_ + 1,
+                   " tokens, too few for one batch: batch size B=", config.batch_size,
+                   " x sequence length T=", config.seq_len, " x world ", config.world, " + 1 = ", stride_ + 1,
                    " tokens are needed; use a smaller batch size or sequence length, or more data in the shard");
     }
     inputs_.resize(rows_);
@@ -235,8 +234,8 @@ class DataLoader {
                  data_->num_shards(), " shards; resume with the data the checkpoint was trained on");
     const auto n = static_cast<std::int64_t>(data_->shard(s.shard).size());
     LLMPAR_CHECK(s.position >= 0 && s.position % stride_ == 0 && s.position + stride_ + 1 <= n,
-                 "loader state position ", s.position, " in '", data_->shard_name(s.shard),
-                 "' (", n, " tokens) is not the start of a batch window of world*B*T = ", stride_,
+                 "loader state position ", s.position, " in '", data_->shard_name(s.shard), "' (", n,
+                 " tokens) is not the start of a batch window of world*B*T = ", stride_,
                  " tokens; resume with the batch size, sequence length and world size of the checkpoint");
     LLMPAR_CHECK(s.epoch >= 0, "loader state epoch ", s.epoch, " is negative");
     state_ = s;
@@ -377,8 +376,8 @@ TextCorpus load_text_corpus(const std::filesystem::path& dir = kDefaultFortunesD
       detail::append_tokens(val ? corpus.val : corpus.train, tokenizer, doc);
     }
   }
-  LLMPAR_CHECK(val_fraction == 0.0 || !corpus.val.empty(), "val_fraction ", val_fraction, " of the ",
-               corpus.documents, " fortunes in '", dir.string(),
+  LLMPAR_CHECK(val_fraction == 0.0 || !corpus.val.empty(), "val_fraction ", val_fraction, " of the ", corpus.documents,
+               " fortunes in '", dir.string(),
                "' leaves the validation split empty; raise val_fraction or add fortune files");
   return corpus;
 }

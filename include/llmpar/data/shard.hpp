@@ -58,6 +58,23 @@ inline std::string errno_message(int err) { return std::error_code(err, std::gen
 inline constexpr const char* kPrepareDataHint =
     "create shards from text with `prepare_data --out PREFIX FILE...` (or `prepare_data --out PREFIX --fortunes`)";
 
+// " (its first bytes read 'Firs', which looks like text)" when the first bytes of a file
+// are printable text, since a raw text file passed as a shard is the usual mistake.
+inline std::string text_note(std::string first) {
+  bool printable = !first.empty();
+  for (char& c : first) {
+    printable = printable && ((c >= 0x20 && c < 0x7f) || c == '\n' || c == '\t' || c == '\r');
+    if (c == '\n' || c == '\t' || c == '\r') c = ' ';
+  }
+  return printable ? ::llmpar::detail::concat(" (its first bytes read '", first, "', which looks like text)")
+                   : std::string();
+}
+
+inline std::string raw_text_hint(const std::string& name) {
+  return ::llmpar::detail::concat("if it is a raw text file, tokenize it first with `prepare_data --out PREFIX ", name,
+                                  "` and train on PREFIX_train.bin");
+}
+
 // Writes all of [data, data+bytes) to fd, retrying short writes and EINTR.
 inline void write_all(int fd, const void* data, std::size_t bytes, const std::filesystem::path& path) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -98,14 +115,14 @@ inline void write_shard(const std::filesystem::path& path, std::span<const std::
   static std::atomic<unsigned> counter{0};
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
   detail::TempFileGuard tmp;
-  tmp.path = dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
-                    std::to_string(counter.fetch_add(1)));
+  // (Built with concat: GCC 12 warns falsely on `"literal" + std::string&&`.)
+  tmp.path =
+      dir / ::llmpar::detail::concat(".", path.filename().string(), ".tmp.", ::getpid(), ".", counter.fetch_add(1));
   tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (tmp.fd < 0) {
     tmp.armed = false;  // nothing was created
-    LLMPAR_FAIL("cannot create a temporary file for token shard '", path.string(), "' in directory '",
-                dir.string(), "': ", detail::errno_message(errno),
-                "; check that the directory exists and is writable");
+    LLMPAR_FAIL("cannot create a temporary file for token shard '", path.string(), "' in directory '", dir.string(),
+                "': ", detail::errno_message(errno), "; check that the directory exists and is writable");
   }
 
   std::array<std::int32_t, kShardHeaderInts> header{};
@@ -116,12 +133,13 @@ inline void write_shard(const std::filesystem::path& path, std::span<const std::
   detail::write_all(tmp.fd, tokens.data(), tokens.size_bytes(), path);
   // Data must be on disk before the rename makes it visible under the final name;
   // otherwise a crash right after the rename could expose an empty file.
-  LLMPAR_CHECK(::fsync(tmp.fd) == 0, "cannot flush token shard '", path.string(), "' to disk: ",
-               detail::errno_message(errno));
+  LLMPAR_CHECK(::fsync(tmp.fd) == 0, "cannot flush token shard '", path.string(),
+               "' to disk: ", detail::errno_message(errno));
   const int fd = std::exchange(tmp.fd, -1);
   LLMPAR_CHECK(::close(fd) == 0, "cannot close token shard '", path.string(), "': ", detail::errno_message(errno));
   LLMPAR_CHECK(::rename(tmp.path.c_str(), path.c_str()) == 0, "cannot move the finished token shard into place at '",
-               path.string(), "': ", detail::errno_message(errno), "; check that it is not a directory and is writable");
+               path.string(), "': ", detail::errno_message(errno),
+               "; check that it is not a directory and is writable");
   tmp.armed = false;
 }
 
@@ -158,9 +176,9 @@ class TokenShard {
  private:
   const std::uint16_t* tokens_begin() const {
     // The header is 1024 bytes into a page-aligned mapping, so the tokens are aligned.
-    return map_ == nullptr ? nullptr
-                           : reinterpret_cast<const std::uint16_t*>(static_cast<const unsigned char*>(map_) +
-                                                                     kShardHeaderBytes);
+    return map_ == nullptr
+               ? nullptr
+               : reinterpret_cast<const std::uint16_t*>(static_cast<const unsigned char*>(map_) + kShardHeaderBytes);
   }
 
   void open() {
@@ -184,9 +202,13 @@ class TokenShard {
     }
     const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
     if (file_bytes < kShardHeaderBytes) {
+      char first[4] = {};
+      const ssize_t got = ::pread(fd, first, sizeof first, 0);
       ::close(fd);
+      const std::string note = detail::text_note(std::string(first, got > 0 ? static_cast<std::size_t>(got) : 0));
       LLMPAR_FAIL("token shard '", name, "' is ", file_bytes, " bytes, shorter than the ", kShardHeaderBytes,
-                  "-byte shard header; it is truncated or not a shard; ", detail::kPrepareDataHint);
+                  "-byte shard header", note, "; it is truncated or not a shard; ",
+                  note.empty() ? detail::kPrepareDataHint : detail::raw_text_hint(name));
     }
     void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
     const int map_err = errno;
@@ -212,20 +234,13 @@ class TokenShard {
     std::array<std::int32_t, kShardHeaderInts> header{};
     std::memcpy(header.data(), map_, kShardHeaderBytes);
     if (header[0] != kShardMagic) {
-      // A raw text file is the usual culprit: show the first bytes when they are text.
-      std::string first(static_cast<const char*>(map_), 4);
-      bool printable = true;
-      for (char c : first) printable = printable && ((c >= 0x20 && c < 0x7f) || c == '\n' || c == '\t' || c == '\r');
-      for (char& c : first)
-        if (c == '\n' || c == '\t' || c == '\r') c = ' ';
       LLMPAR_FAIL("token shard '", name, "' has magic ", header[0],
-                  printable ? " (its first bytes read '" + first + "', which looks like text)" : std::string(),
-                  ", expected ", kShardMagic, "; it is not an llm.c token shard — if it is a raw text file, ",
-                  "tokenize it first with `prepare_data --out PREFIX ", name, "` and train on PREFIX_train.bin");
+                  detail::text_note(std::string(static_cast<const char*>(map_), 4)), ", expected ", kShardMagic,
+                  "; it is not an llm.c token shard — ", detail::raw_text_hint(name));
     }
     LLMPAR_CHECK(header[1] == kShardVersion, "token shard '", name, "' has version ", header[1],
-                 "; this reader supports only version ", kShardVersion,
-                 " (uint16 tokens)", header[1] == 2 ? "; version 2 holds uint32 tokens (vocabularies over 65536)" : "",
+                 "; this reader supports only version ", kShardVersion, " (uint16 tokens)",
+                 header[1] == 2 ? "; version 2 holds uint32 tokens (vocabularies over 65536)" : "",
                  "; regenerate it as version ", kShardVersion, " with prepare_data");
     const std::int64_t count = header[2];
     LLMPAR_CHECK(count >= 0, "token shard '", name, "' header says it holds ", count,

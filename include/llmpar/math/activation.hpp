@@ -6,13 +6,17 @@
 // these, so the two backends cannot drift apart in the formula.
 //
 // Why it is not spelled with tanh: 0.5 (1 + tanh(u)) is exactly the logistic function
-// s = 1 / (1 + e^(-2u)), so gelu(x) = x s. One exp is several times cheaper than one
-// tanh, and on the host an exp built from multiplies, adds, floor and a bit cast lets
-// a CPU loop over a tensor vectorize (glibc's vector exp/tanh are only declared under
-// -ffast-math, which llmpar does not impose on its users). The derivative reuses s:
+// s = 1 / (1 + e), e = e^(-2u), so gelu(x) = x s. One exp is several times cheaper
+// than one tanh, and on the host an exp built from multiplies, adds, conversions and
+// integer bit operations lets a CPU loop over a tensor vectorize (glibc's vector
+// exp/tanh are only declared under -ffast-math, which llmpar does not impose on its
+// users). The derivative reuses s:
 //   d gelu/dx = s + x * 2 s (1 - s) * sqrt(2/pi) (1 + 3 * 0.044715 x^2),
-// with 1 - s taken as e s when e = e^(-2u) < 1, so neither s -> 1 (cancellation) nor
-// e -> inf (inf * 0) loses the result.
+// with 1 - s computed as e s, which has no cancellation as s -> 1.
+//
+// Everything here is branch-free on purpose, down to how values are clamped: a
+// conditional in the element math is what stops a compiler from vectorizing the loop
+// that calls it (see clamp_magnitude).
 #pragma once
 
 #include <cmath>
@@ -25,29 +29,84 @@ namespace llmpar::math {
 
 namespace detail {
 
-LLMPAR_HOST_DEVICE float bits_as_float(std::int32_t bits) {
+LLMPAR_HOST_DEVICE float bits_as_float(std::uint32_t bits) {
 #if defined(__CUDA_ARCH__)
-  return __int_as_float(bits);
+  return __uint_as_float(bits);
 #else
   return __builtin_bit_cast(float, bits);
 #endif
 }
 
-// e^x in float to about 1 ulp (Cephes' expf polynomial), written without libm calls
-// so that a loop around it vectorizes. Overflows to +inf above ln(FLT_MAX), flushes
-// to 0 below ln(FLT_MIN) (no subnormal results), and returns NaN for NaN.
+LLMPAR_HOST_DEVICE std::uint32_t float_as_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  return __builtin_bit_cast(std::uint32_t, x);
+#endif
+}
+
+LLMPAR_HOST_DEVICE double bits_as_double(std::uint64_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(bits));
+#else
+  return __builtin_bit_cast(double, bits);
+#endif
+}
+
+LLMPAR_HOST_DEVICE std::uint64_t double_as_bits(double x) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<std::uint64_t>(__double_as_longlong(x));
+#else
+  return __builtin_bit_cast(std::uint64_t, x);
+#endif
+}
+
+// x with its magnitude limited to bound (finite, > 0), sign kept; NaN becomes +-bound.
+//
+// Why on the bits: a float select such as `x > b ? b : x` gives the compiler a path on
+// which everything downstream is a constant; GCC then evaluates those paths apart and
+// the loop has control flow, which (with trapping math, the default) it will not
+// vectorize. An integer min on the magnitude bits is branch-free and keeps the sign
+// as data, so no downstream value becomes constant.
+LLMPAR_HOST_DEVICE float clamp_magnitude(float x, float bound) {
+  const std::uint32_t bits = float_as_bits(x);
+  const std::uint32_t magnitude = bits & 0x7FFFFFFFu;
+  const std::uint32_t limit = float_as_bits(bound);
+  const std::uint32_t clamped = magnitude < limit ? magnitude : limit;
+  return bits_as_float((bits & 0x80000000u) | clamped);
+}
+
+LLMPAR_HOST_DEVICE double clamp_magnitude(double x, double bound) {
+  const std::uint64_t bits = double_as_bits(x);
+  const std::uint64_t magnitude = bits & 0x7FFFFFFFFFFFFFFFull;
+  const std::uint64_t limit = double_as_bits(bound);
+  const std::uint64_t clamped = magnitude < limit ? magnitude : limit;
+  return bits_as_double((bits & 0x8000000000000000ull) | clamped);
+}
+
+// e^x in float to about 1 ulp (Cephes' expf polynomial), built from multiplies, adds,
+// conversions and integer operations on the bits, with no branch and no libm call, so
+// that a loop around it vectorizes. Overflows to +inf, underflows through subnormals to 0,
+// and returns NaN for NaN.
 LLMPAR_HOST_DEVICE float exp_f32(float x) {
-  constexpr float kMaxArg = 88.72283905206835f;   // ln(FLT_MAX)
-  constexpr float kMinArg = -87.33654475055310f;  // ln(FLT_MIN)
+  // |x| <= 104 covers all of float's range (e^104 overflows, e^-104 underflows to 0)
+  // and keeps n = round(x / ln 2) in [-150, 150], where 2^n is built without overflow.
+  constexpr float kMaxMagnitude = 104.0f;
   constexpr float kLog2e = 1.44269504088896341f;
   // ln 2 split so that n * kLn2Hi is exact for every n in range (Cody-Waite).
   constexpr float kLn2Hi = 0.693359375f;
   constexpr float kLn2Lo = -2.12194440e-4f;
-  // Clamp with comparisons that send NaN to a bound (maxps/minps semantics), so the
-  // float->int conversion below always sees a finite value; NaN is restored at the end.
-  float xc = x < kMaxArg ? x : kMaxArg;
-  xc = xc > kMinArg ? xc : kMinArg;
-  const float n = std::floor(xc * kLog2e + 0.5f);
+  // Quiet-NaN bits for a NaN x, else 0 (a 32-bit select: a bool would mix element
+  // widths in the loop, which also stops vectorization).
+  const std::uint32_t nan_bits =
+      (float_as_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : 0u;
+  const float xc = clamp_magnitude(x, kMaxMagnitude);
+  // n = floor(t + 1/2) by truncation and a fix-up for negative t: std::floor does not
+  // vectorize without -fno-trapping-math, a float->int conversion does.
+  const float t = xc * kLog2e + 0.5f;
+  const std::int32_t truncated = static_cast<std::int32_t>(t);
+  const std::int32_t ni = truncated - (static_cast<float>(truncated) > t ? 1 : 0);
+  const float n = static_cast<float>(ni);
   float r = xc - n * kLn2Hi;
   r = r - n * kLn2Lo;  // |r| <= ln(2)/2
   float p = 1.9875691500e-4f;
@@ -57,17 +116,14 @@ LLMPAR_HOST_DEVICE float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  // 2^n with n in [-126, 128], as two normal powers of two so no exponent field
-  // overflows; both multiplications are exact.
-  const std::int32_t ni = static_cast<std::int32_t>(n);
+  // 2^n as two normal powers of two (exponent fields 52..202): the first product is
+  // exact, the second rounds once (to inf, or to a subnormal or 0, where e^x does).
   const std::int32_t half = ni >> 1;
-  const float scale_lo = bits_as_float((half + 127) << 23);
-  const float scale_hi = bits_as_float((ni - half + 127) << 23);
-  float result = p * scale_lo * scale_hi;
-  constexpr std::int32_t kInfBits = 0x7F800000;
-  result = x > kMaxArg ? bits_as_float(kInfBits) : result;
-  result = x < kMinArg ? 0.0f : result;
-  return x != x ? x : result;
+  const float scale_lo = bits_as_float(static_cast<std::uint32_t>(half + 127) << 23);
+  const float scale_hi = bits_as_float(static_cast<std::uint32_t>(ni - half + 127) << 23);
+  const float result = p * scale_lo * scale_hi;
+  // Setting the quiet-NaN bits turns any finite result into NaN; no branch needed.
+  return bits_as_float(float_as_bits(result) | nan_bits);
 }
 
 }  // namespace detail
@@ -99,10 +155,14 @@ template <class T>
 LLMPAR_HOST_DEVICE GeluParts<T> gelu_parts(T x) {
   constexpr T kSqrt2OverPi = static_cast<T>(0.79788456080286535587989211986876);
   constexpr T kCubic = static_cast<T>(0.044715);
+  // Past |2u| = 80 (float) or 700 (double) s is 0 or 1 to working precision; the clamp
+  // keeps e finite, so e * s below is never inf * 0. NaN x still gives NaN: x
+  // multiplies every result.
+  constexpr T kMaxExponent = static_cast<T>(std::is_same_v<T, float> ? 80 : 700);
   const T u = kSqrt2OverPi * (x + kCubic * x * x * x);
-  const T e = math::exp(static_cast<T>(-2) * u);
+  const T e = math::exp(clamp_magnitude(static_cast<T>(-2) * u, kMaxExponent));
   const T s = static_cast<T>(1) / (static_cast<T>(1) + e);
-  return {s, e < static_cast<T>(1) ? e * s : static_cast<T>(1) - s};
+  return {s, e * s};  // 1 - s == e / (1 + e), without cancellation as s -> 1
 }
 
 }  // namespace detail

@@ -10,8 +10,8 @@
 // for each query tile the key/value tiles at or before it are visited in order and
 // every row keeps a math::OnlineSoftmax state plus an unnormalised output row, both
 // rescaled when a tile raises the row's max. Tiles strictly above the diagonal are
-// never touched and, in the diagonal tile, each row stops at its own position, so the
-// work is the causal T^2/2. The forward saves only out and lse = log-sum-exp of each
+// never touched and, in the diagonal tile, each row stops at its own position (rounded
+// up to 16 keys in the score kernel), so the work is the causal T^2/2. The forward saves only out and lse = log-sum-exp of each
 // row's scaled scores, which is all the backward needs to recompute probabilities.
 //
 // Backward (FlashAttention-2). With D_t = dout_t . out_t, for each key tile (outer)
@@ -24,15 +24,17 @@
 // element is produced by one thread in one fixed order, so results are bitwise
 // identical for any OMP_NUM_THREADS.
 //
-// Speed. A head's q/k/v rows sit 3C apart in qkv; each tile is first packed into a
-// contiguous acc_t<T> block (this also converts bf16/f16 once). All inner work is two
-// row kernels over contiguous hs-long rows that GCC vectorises: `dot_rows` (four dot
-// products at a time sharing one load of the left row) and `axpy_rows` (four
-// weighted rows folded into one accumulator row per pass). For the backward's
-// dk/dv updates the tile's p and ds are stored transposed, so they are the same
-// axpy_rows. hs = 32, 64 and 128 are compiled with hs known (fully unrolled inner
-// loops); other sizes take the same code with hs at run time. exp is math::fast_exp
-// (vectorisable). kTile = 64 keeps a packed k and v tile (2 x 64 x hs floats) in L1/L2.
+// Speed. A head's q/k/v rows sit 3C apart in qkv, so each tile is first packed into a
+// contiguous acc_t<T> block (which also converts bf16/f16 once); the key and value
+// tiles that rows are dotted with (q.k, dout.v) are packed transposed, (hs, kTile).
+// All inner work is then two register-blocked row kernels that GCC vectorises:
+// `dot_cols` (one row against up to 64 keys: broadcast a[d], FMA into 64 accumulators
+// held in registers; no horizontal sums, no FMA latency chain) and `axpy_rows` (a row
+// accumulates w[c] * row_c, four rows folded per pass). The backward's dk/dv updates
+// read the tile's p and ds stored transposed, so they are axpy_rows too. hs = 32, 64
+// and 128 are compiled with hs known; other head sizes run the same code with hs at
+// run time. exp is math::fast_exp (vectorisable). kTile = 64: a packed k^T and v tile
+// (2 x 64 x hs floats, 32 KiB at hs = 64) stays in L1/L2 while a tile's rows use it.
 #pragma once
 
 #include <omp.h>
@@ -55,36 +57,39 @@ namespace detail::attn {
 // tile has at least one unmasked key: the diagonal tile starts at the row's tile).
 inline constexpr std::int64_t kTile = 64;
 
-// s[c] = scale * dot(a, b + c*hs) for c in [0, n).   a: (hs), b: (n, hs), s: (n)
-template <int kHs, class Acc>
-inline void dot_rows(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT b,
-                     std::int64_t n, std::int64_t hs_runtime, Acc scale) {
+static_assert(kTile == 64, "dot_cols dispatches 16, 32, 48 or 64 keys: a tile of 64");
+
+// s[c] = scale * sum_d a[d] * bt[d * kTile + c] for c in [0, kCols).
+// a: (hs); bt: (hs, kTile), a key tile transposed; s: (kCols).
+// The kCols accumulators stay in registers: each step broadcasts one a[d] and does
+// kCols / simd-width independent FMAs with contiguous loads, so there is no
+// horizontal reduction and no FMA latency chain (a dot product per key would have
+// both).
+template <int kHs, int kCols, class Acc>
+inline void dot_cols_fixed(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT bt,
+                           std::int64_t hs_runtime, Acc scale) {
   const std::int64_t hs = kHs > 0 ? kHs : hs_runtime;
-  std::int64_t c = 0;
-  for (; c + 4 <= n; c += 4) {
-    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
-    const Acc* LLMPAR_RESTRICT b1 = b0 + hs;
-    const Acc* LLMPAR_RESTRICT b2 = b1 + hs;
-    const Acc* LLMPAR_RESTRICT b3 = b2 + hs;
-    Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (std::int64_t d = 0; d < hs; ++d) {
-      s0 += a[d] * b0[d];
-      s1 += a[d] * b1[d];
-      s2 += a[d] * b2[d];
-      s3 += a[d] * b3[d];
-    }
-    s[c] = s0 * scale;
-    s[c + 1] = s1 * scale;
-    s[c + 2] = s2 * scale;
-    s[c + 3] = s3 * scale;
+  Acc acc[kCols] = {};
+  for (std::int64_t d = 0; d < hs; ++d) {
+    const Acc x = a[d];
+    const Acc* LLMPAR_RESTRICT row = bt + d * kTile;
+#pragma omp simd
+    for (int c = 0; c < kCols; ++c) acc[c] += x * row[c];
   }
-  for (; c < n; ++c) {
-    const Acc* LLMPAR_RESTRICT b0 = b + c * hs;
-    Acc s0 = 0;
-#pragma omp simd reduction(+ : s0)
-    for (std::int64_t d = 0; d < hs; ++d) s0 += a[d] * b0[d];
-    s[c] = s0 * scale;
+#pragma omp simd
+  for (int c = 0; c < kCols; ++c) s[c] = acc[c] * scale;
+}
+
+// As dot_cols_fixed for the first n keys, rounded up to a block of 16 (the keys past
+// n are computed from the tile's zero padding or from masked keys, and ignored).
+template <int kHs, class Acc>
+inline void dot_cols(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT bt,
+                     std::int64_t n, std::int64_t hs, Acc scale) {
+  switch ((n + 15) / 16) {
+    case 1: dot_cols_fixed<kHs, 16>(s, a, bt, hs, scale); break;
+    case 2: dot_cols_fixed<kHs, 32>(s, a, bt, hs, scale); break;
+    case 3: dot_cols_fixed<kHs, 48>(s, a, bt, hs, scale); break;
+    default: dot_cols_fixed<kHs, 64>(s, a, bt, hs, scale); break;
   }
 }
 
@@ -124,6 +129,20 @@ inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, st
   }
 }
 
+// Packs n rows of one head transposed and zero-pads to a full tile.
+// dst: (hs, kTile); src: rows `stride` elements apart.
+template <class T, class Acc>
+inline void pack_transposed(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n,
+                            std::int64_t hs, std::int64_t stride) {
+  for (std::int64_t r = 0; r < n; ++r) {
+    const T* LLMPAR_RESTRICT row = src + r * stride;
+    for (std::int64_t d = 0; d < hs; ++d) dst[d * kTile + r] = static_cast<Acc>(row[d]);
+  }
+  if (n < kTile) {
+    for (std::int64_t d = 0; d < hs; ++d) std::fill(dst + d * kTile + n, dst + (d + 1) * kTile, Acc(0));
+  }
+}
+
 // Inverse of pack_rows: dst rows `stride` apart; src: (n, hs).
 template <class T, class Acc>
 inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, std::int64_t n,
@@ -157,20 +176,20 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
 
   Acc* LLMPAR_RESTRICT q = scratch;              // (ni, hs)
   Acc* LLMPAR_RESTRICT o = q + kTile * hs;       // (ni, hs) unnormalised output
-  Acc* LLMPAR_RESTRICT k = o + kTile * hs;       // (nj, hs)
-  Acc* LLMPAR_RESTRICT v = k + kTile * hs;       // (nj, hs)
-  Acc* LLMPAR_RESTRICT s = v + kTile * hs;       // (nj) scores, then weights, of one row
+  Acc* LLMPAR_RESTRICT kt = o + kTile * hs;      // (hs, kTile) key tile, transposed
+  Acc* LLMPAR_RESTRICT v = kt + kTile * hs;      // (nj, hs)
+  Acc* LLMPAR_RESTRICT s = v + kTile * hs;       // (kTile) scores, then weights, of one row
   math::OnlineSoftmax<Acc> state[kTile];         // (ni)
 
   pack_rows(q, head + i0 * C3, ni, hs, C3);
   std::fill(o, o + ni * hs, Acc(0));
   for (std::int64_t j0 = 0; j0 <= i0; j0 += kTile) {
     const std::int64_t nj = std::min(kTile, T_len - j0);
-    pack_rows(k, head + j0 * C3 + C, nj, hs, C3);
+    pack_transposed(kt, head + j0 * C3 + C, nj, hs, C3);
     pack_rows(v, head + j0 * C3 + 2 * C, nj, hs, C3);
     for (std::int64_t r = 0; r < ni; ++r) {
       const std::int64_t n = std::min(nj, i0 + r - j0 + 1);  // causal: keys j0 .. i0 + r
-      dot_rows<kHs>(s, q + r * hs, k, n, hs, scale);
+      dot_cols<kHs>(s, q + r * hs, kt, n, hs, scale);
       Acc tile_max = s[0];
 #pragma omp simd reduction(max : tile_max)
       for (std::int64_t c = 0; c < n; ++c) tile_max = std::max(tile_max, s[c]);
@@ -226,7 +245,7 @@ void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T
   }
 }
 
-// One head (b, h). scratch: 7 * T * hs + 2 * T + 2 * kTile * kTile + 4 * kTile.
+// One head (b, h). scratch: backward_scratch(T, hs).
 template <int kHs, class T>
 void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
                    const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b,
@@ -243,21 +262,21 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
 
   Acc* LLMPAR_RESTRICT q = scratch;            // (T, hs)
   Acc* LLMPAR_RESTRICT k = q + T_len * hs;     // (T, hs)
-  Acc* LLMPAR_RESTRICT v = k + T_len * hs;     // (T, hs)
-  Acc* LLMPAR_RESTRICT g = v + T_len * hs;     // (T, hs) dout of this head
+  Acc* LLMPAR_RESTRICT g = k + T_len * hs;     // (T, hs) dout of this head
   Acc* LLMPAR_RESTRICT dq = g + T_len * hs;    // (T, hs)
   Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;   // (T, hs)
   Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;   // (T, hs)
   Acc* LLMPAR_RESTRICT D = dv + T_len * hs;    // (T) dout_t . out_t
   Acc* LLMPAR_RESTRICT o = D + T_len;          // (hs) one row of out
-  Acc* LLMPAR_RESTRICT pt = o + std::max<std::int64_t>(hs, T_len);  // (kTile keys, kTile rows) p^T
+  Acc* LLMPAR_RESTRICT kt = o + hs;            // (hs, kTile) key tile, transposed
+  Acc* LLMPAR_RESTRICT vt = kt + hs * kTile;   // (hs, kTile) value tile, transposed
+  Acc* LLMPAR_RESTRICT pt = vt + hs * kTile;   // (kTile keys, kTile rows) p^T
   Acc* LLMPAR_RESTRICT dst = pt + kTile * kTile;  // (kTile keys, kTile rows) (ds * scale)^T
   Acc* LLMPAR_RESTRICT p = dst + kTile * kTile;   // (kTile) p of one row
   Acc* LLMPAR_RESTRICT dp = p + kTile;            // (kTile) dp, then ds * scale, of one row
 
   pack_rows(q, head, T_len, hs, C3);
   pack_rows(k, head + C, T_len, hs, C3);
-  pack_rows(v, head + 2 * C, T_len, hs, C3);
   pack_rows(g, dout + row0, T_len, hs, C);
   for (std::int64_t t = 0; t < T_len; ++t) {
     pack_rows(o, out + row0 + t * C, 1, hs, C);
@@ -271,15 +290,16 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
 
   for (std::int64_t j0 = 0; j0 < T_len; j0 += kTile) {
     const std::int64_t nj = std::min(kTile, T_len - j0);
-    const Acc* LLMPAR_RESTRICT kt = k + j0 * hs;  // (nj, hs)
-    const Acc* LLMPAR_RESTRICT vt = v + j0 * hs;  // (nj, hs)
+    const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
+    pack_transposed(kt, head + j0 * C3 + C, nj, hs, C3);
+    pack_transposed(vt, head + j0 * C3 + 2 * C, nj, hs, C3);
     for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile) {
       const std::int64_t ni = std::min(kTile, T_len - i0);
       for (std::int64_t r = 0; r < ni; ++r) {
         const std::int64_t i = i0 + r;
         const std::int64_t n = std::min(nj, i - j0 + 1);  // causal: keys j0 .. i
-        dot_rows<kHs>(p, q + i * hs, kt, n, hs, scale);
-        dot_rows<kHs>(dp, g + i * hs, vt, n, hs, Acc(1));
+        dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
+        dot_cols<kHs>(dp, g + i * hs, vt, n, hs, Acc(1));
         const Acc l = lse_head[i];
         const Acc Di = D[i];
 #pragma omp simd
@@ -287,7 +307,7 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
           p[c] = math::fast_exp(p[c] - l);
           dp[c] = p[c] * (dp[c] - Di) * scale;
         }
-        axpy_rows<kHs>(dq + i * hs, dp, kt, n, hs);
+        axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);
         for (std::int64_t c = 0; c < n; ++c) {
           pt[c * kTile + r] = p[c];
           dst[c * kTile + r] = dp[c];
@@ -307,13 +327,17 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
   unpack_rows(dhead + 2 * C, dv, T_len, hs, C3);
 }
 
+inline std::int64_t backward_scratch(std::int64_t T_len, std::int64_t hs) {
+  return 6 * T_len * hs + T_len + hs + 2 * hs * kTile + 2 * kTile * kTile + 2 * kTile;
+}
+
 template <int kHs, class T>
 void backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, std::int64_t B,
               std::int64_t T_len, std::int64_t C, std::int64_t NH) {
   using Acc = acc_t<T>;
   const std::int64_t hs = C / NH;
   const std::int64_t tasks = B * NH;
-  const std::int64_t per_thread = 7 * T_len * hs + T_len + std::max(hs, T_len) + 2 * kTile * kTile + 2 * kTile;
+  const std::int64_t per_thread = backward_scratch(T_len, hs);
   const bool parallel = tasks > 1 && B * NH * T_len * T_len / 2 * hs >= kMinParallelWork;
   const int threads = parallel ? static_cast<int>(std::min<std::int64_t>(omp_get_max_threads(), tasks)) : 1;
   Buffer<Acc> scratch(threads * per_thread);
