@@ -23,6 +23,7 @@
 #include <dlfcn.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +32,7 @@
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX__) && defined(__FMA__)
@@ -59,7 +61,9 @@ struct Gemm {
 
   std::int64_t lda() const { return trans_a ? m : k; }
   std::int64_t ldb() const { return trans_b ? k : n; }
-  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+  double flops() const {
+    return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  }
 };
 
 struct Linear {
@@ -69,8 +73,11 @@ struct Linear {
 
 // GPT-2 124M (C = 768, 4C MLP, vocabulary padded to 50304) at B*T = 256 tokens.
 std::vector<Gemm> gpt2_step_gemms(std::int64_t tokens) {
-  const Linear layers[] = {{"qkv", 768, 2304}, {"attn_proj", 768, 768}, {"fc", 768, 3072},
-                           {"fc_proj", 3072, 768}, {"lm_head", 768, 50304}};
+  const Linear layers[] = {{"qkv", 768, 2304},
+                           {"attn_proj", 768, 768},
+                           {"fc", 768, 3072},
+                           {"fc_proj", 3072, 768},
+                           {"lm_head", 768, 50304}};
   std::vector<Gemm> gemms;
   for (const Linear& l : layers) {
     gemms.push_back({std::string(l.name) + "_fwd", tokens, l.out, l.in, false, true, 0.0f});
@@ -106,8 +113,12 @@ struct Operands {
   HostArray<llmpar::bf16> a_bf16, b_bf16;  // made on first use
 
   explicit Operands(const Gemm& g)
-      : a_size(g.m * g.k), b_size(g.k * g.n), c_size(g.m * g.n),
-        a(allocate<float>(a_size)), b(allocate<float>(b_size)), c(allocate<float>(c_size)) {
+      : a_size(g.m * g.k),
+        b_size(g.k * g.n),
+        c_size(g.m * g.n),
+        a(allocate<float>(a_size)),
+        b(allocate<float>(b_size)),
+        c(allocate<float>(c_size)) {
     fill(a.get(), a_size, "A");
     fill(b.get(), b_size, "B");
     fill(c.get(), c_size, "C");
@@ -115,7 +126,8 @@ struct Operands {
   static void fill(float* x, std::int64_t count, const char* name) {
     const auto stream = llmpar::rng::Stream::named(42, name);
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < count; ++i) x[i] = 2.0f * stream.uniform(static_cast<std::uint64_t>(i)) - 1.0f;
+    for (std::int64_t i = 0; i < count; ++i)
+      x[i] = 2.0f * stream.uniform(static_cast<std::uint64_t>(i)) - 1.0f;
   }
   void make_bf16() {
     if (a_bf16) return;
@@ -148,7 +160,8 @@ struct OneDnn {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
 
-  static dnnl::memory::desc desc(std::int64_t rows, std::int64_t cols, bool transposed, dnnl::memory::data_type t) {
+  static dnnl::memory::desc desc(std::int64_t rows, std::int64_t cols, bool transposed,
+                                 dnnl::memory::data_type t) {
     // A logical [rows, cols] matrix stored row-major, or stored [cols, rows] when transposed.
     const dnnl::memory::dims strides = transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
     return dnnl::memory::desc({rows, cols}, t, strides);
@@ -246,12 +259,14 @@ std::vector<Library> libraries() {
 // ---------------------------------------------------------------------------------------
 // Correctness first: each library against a plain loop on small problems of each form.
 
-bool check_library(const Library& lib) {
+enum class Check { ok, wrong, unavailable };
+
+Check check_library(const Library& lib) {
   const std::int64_t m = 67, n = 45, k = 33;  // odd sizes: edge tiles in every direction
   const Gemm forms[] = {{"check_fwd", m, n, k, false, true, 0.0f},
                         {"check_dX", m, n, k, false, false, 0.0f},
                         {"check_dW", m, n, k, true, false, 1.0f}};
-  bool ok = true;
+  Check result = Check::ok;
   for (const Gemm& g : forms) {
     Operands o(g);
     std::vector<float> expected(static_cast<std::size_t>(g.m * g.n));
@@ -269,7 +284,12 @@ bool check_library(const Library& lib) {
       }
     }
     std::string impl;
-    lib.make(g, o, impl)();
+    try {
+      lib.make(g, o, impl)();
+    } catch (const dnnl::error& e) {  // no implementation for this data type on this CPU
+      benchmark::AddCustomContext(lib.name, std::string("unavailable on this CPU: ") + e.what());
+      return Check::unavailable;
+    }
     double worst = 0;
     for (std::int64_t i = 0; i < g.m * g.n; ++i) {
       worst = std::max(worst, static_cast<double>(std::fabs(o.c[i] - expected[static_cast<std::size_t>(i)])));
@@ -277,10 +297,10 @@ bool check_library(const Library& lib) {
     if (!(worst <= 1e-3)) {  // sums of 33 products in [-1, 1]: f32 error is ~1e-6
       std::fprintf(stderr, "bench_gemm_libraries: %s gives a wrong %s (max abs error %g)\n", lib.name.c_str(),
                    g.name.c_str(), worst);
-      ok = false;
+      result = Check::wrong;
     }
   }
-  return ok;
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -317,10 +337,14 @@ void BM_fma_peak(benchmark::State& state) {
 
 std::string openmp_kind(int parallel) {
   switch (parallel) {
-    case 0: return "sequential";
-    case 1: return "pthreads";
-    case 2: return "OpenMP";
-    default: return "unknown (" + std::to_string(parallel) + ")";
+    case 0:
+      return "sequential";
+    case 1:
+      return "pthreads";
+    case 2:
+      return "OpenMP";
+    default:
+      return "unknown (" + std::to_string(parallel) + ")";
   }
 }
 
@@ -346,11 +370,11 @@ void describe_libraries() {
 #endif
 #if LLMPAR_BENCH_BLIS
   bli_thread_set_num_threads(threads);
-  benchmark::AddCustomContext("blis", std::string(bli_info_get_version_str()) + ", " +
-                                          bli_arch_string(bli_arch_query_id()) + " kernels, " +
-                                          (bli_info_get_enable_openmp() ? "OpenMP" : "no OpenMP") + " build, " +
-                                          std::to_string(bli_thread_get_num_threads()) + " threads (" +
-                                          library_of(reinterpret_cast<void*>(&bli_sgemm)) + ")");
+  benchmark::AddCustomContext(
+      "blis", std::string(bli_info_get_version_str()) + ", " + bli_arch_string(bli_arch_query_id()) +
+                  " kernels, " + (bli_info_get_enable_openmp() ? "OpenMP" : "no OpenMP") + " build, " +
+                  std::to_string(bli_thread_get_num_threads()) + " threads (" +
+                  library_of(reinterpret_cast<void*>(&bli_sgemm)) + ")");
 #endif
 }
 
@@ -361,13 +385,19 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   describe_libraries();
 
-  const std::vector<Library> libs = libraries();
-  for (const Library& lib : libs) {
-    if (!check_library(lib)) return 1;
+  std::vector<Library> libs;
+  for (Library& lib : libraries()) {
+    const Check c = check_library(lib);
+    if (c == Check::wrong) return 1;
+    if (c == Check::ok) libs.push_back(std::move(lib));
   }
 
 #if defined(__AVX__) && defined(__FMA__)
-  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)->Arg(1)->Arg(0)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)
+      ->Arg(1)
+      ->Arg(0)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
 #endif
 
   // Shape by shape, every library in turn (they share one shape's operands).
@@ -375,16 +405,20 @@ int main(int argc, char** argv) {
     for (const Library& lib : libs) {
       const std::string name = "gemm/" + g.name + "/" + lib.name + "/m:" + std::to_string(g.m) +
                                "/n:" + std::to_string(g.n) + "/k:" + std::to_string(g.k);
-      benchmark::RegisterBenchmark(name.c_str(), [g, lib](benchmark::State& state) {
-        Operands& ops = operands_for(g);
-        std::string impl;
-        const Runner run = lib.make(g, ops, impl);
-        run();  // first call: one-time setup inside the library (packing buffers, JIT)
-        for (auto _ : state) run();
-        state.counters["GFLOPS"] =
-            benchmark::Counter(g.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-        state.SetLabel(impl);
-      })->UseRealTime()->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(
+          name.c_str(),
+          [g, lib](benchmark::State& state) {
+            Operands& ops = operands_for(g);
+            std::string impl;
+            const Runner run = lib.make(g, ops, impl);
+            run();  // first call: one-time setup inside the library (packing buffers, JIT)
+            for (auto _ : state) run();
+            state.counters["GFLOPS"] =
+                benchmark::Counter(g.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+            state.SetLabel(impl);
+          })
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
   benchmark::RunSpecifiedBenchmarks();

@@ -97,8 +97,12 @@ void attention_reference(std::vector<double>& out, std::vector<double>& lse, con
   for (std::int64_t b = 0; b < s.B; ++b) {
     for (std::int64_t h = 0; h < s.NH; ++h) {
       auto q = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + h * hs + d]; };
-      auto k = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + s.C + h * hs + d]; };
-      auto v = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + 2 * s.C + h * hs + d]; };
+      auto k = [&](std::int64_t t, std::int64_t d) {
+        return qkv[(b * s.T + t) * 3 * s.C + s.C + h * hs + d];
+      };
+      auto v = [&](std::int64_t t, std::int64_t d) {
+        return qkv[(b * s.T + t) * 3 * s.C + 2 * s.C + h * hs + d];
+      };
       for (std::int64_t t = 0; t < s.T; ++t) {
         double m = -INFINITY;
         for (std::int64_t j = 0; j <= t; ++j) {
@@ -129,7 +133,8 @@ void run_attention_forward(std::vector<T>& out, std::vector<cpu::acc_t<T>>& lse,
 }
 
 template <class T>
-std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vector<T>& qkv, const AttnShape& s) {
+std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vector<T>& qkv,
+                                      const AttnShape& s) {
   std::vector<T> out;
   std::vector<cpu::acc_t<T>> lse;
   run_attention_forward(out, lse, qkv, s);
@@ -139,24 +144,24 @@ std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vec
 }
 
 const AttnShape kForwardShapes[] = {
-    {1, 1, 8, 1},     // one token: out = v
-    {2, 7, 16, 2},    // hs = 8, generic head size
-    {1, 33, 64, 1},   // hs = 64, NH = 1, T not a multiple of anything
-    {2, 64, 64, 2},   // hs = 32, exactly one tile
-    {1, 65, 64, 4},   // hs = 16, one row into the second tile
-    {1, 130, 128, 2}, // hs = 64, three tiles, ragged last tile
-    {1, 70, 24, 1},   // hs = 24, generic head size over two tiles
-    {1, 40, 256, 2},  // hs = 128
+    {1, 1, 8, 1},      // one token: out = v
+    {2, 7, 16, 2},     // hs = 8, generic head size
+    {1, 33, 64, 1},    // hs = 64, NH = 1, T not a multiple of anything
+    {2, 64, 64, 2},    // hs = 32, exactly one tile
+    {1, 65, 64, 4},    // hs = 16, one row into the second tile
+    {1, 130, 128, 2},  // hs = 64, three tiles, ragged last tile
+    {1, 70, 24, 1},    // hs = 24, generic head size over two tiles
+    {1, 40, 256, 2},   // hs = 128
 };
 
 }  // namespace
 
 // ---- online softmax ---------------------------------------------------------------------
 
-TEST_CASE("fast_exp is within 2 ulp of exp over the float range and handles inf, NaN, underflow") {
+TEST_CASE("fast_exp is within 2 ulp of exp over its normal range and handles inf, NaN, underflow") {
   double worst_ulps = 0;
   for (int i = 0; i <= 200000; ++i) {
-    const float x = -87.0f + 175.0f * static_cast<float>(i) / 200000.0f;
+    const float x = -87.3f + 175.6f * static_cast<float>(i) / 200000.0f;  // [-87.3, 88.3]
     const double exact = std::exp(static_cast<double>(x));
     const float got = math::fast_exp(x);
     const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(exact)) - 23);
@@ -168,7 +173,9 @@ TEST_CASE("fast_exp is within 2 ulp of exp over the float range and handles inf,
   CHECK(math::fast_exp(-100.0f) == 0.0f);
   CHECK(math::fast_exp(INFINITY) == INFINITY);
   CHECK(math::fast_exp(89.0f) == INFINITY);
-  CHECK(std::isfinite(math::fast_exp(88.7f)));
+  CHECK(math::fast_exp(88.5f) == INFINITY);  // documented: overflows from 127.5 ln 2 on
+  CHECK(math::fast_exp(88.37f) == doctest::Approx(std::exp(static_cast<double>(88.37f))).epsilon(1e-6));
+  CHECK(math::fast_exp(-87.3f) == doctest::Approx(std::exp(static_cast<double>(-87.3f))).epsilon(1e-6));
   CHECK(std::isnan(math::fast_exp(NAN)));
   CHECK(math::fast_exp(-1.5) == std::exp(-1.5));  // double is the exact library exp
 }
@@ -190,7 +197,8 @@ TEST_CASE_TEMPLATE("OnlineSoftmax combine of any split equals pushing the whole 
     // 1..8 cut points at random positions (empty parts allowed), combined left to right.
     const int parts = 1 + static_cast<int>(cuts.uniform(trial * 16) * 8);
     std::vector<std::size_t> at{0, x.size()};
-    for (int p = 0; p < parts; ++p) at.push_back(static_cast<std::size_t>(cuts.uniform(trial * 16 + 1 + p) * x.size()));
+    for (int p = 0; p < parts; ++p)
+      at.push_back(static_cast<std::size_t>(cuts.uniform(trial * 16 + 1 + p) * x.size()));
     std::sort(at.begin(), at.end());
     math::OnlineSoftmax<Acc> combined;
     for (std::size_t p = 0; p + 1 < at.size(); ++p) {
@@ -255,7 +263,7 @@ TEST_CASE_TEMPLATE("attention_forward matches a materialised T x T softmax refer
     const double tol = std::is_same_v<T, float> ? 2e-6 : 1e-14;
     CHECK(max_abs_diff(to_double(out), ref_out) <= tol * (1.0 + max_abs(ref_out)));
     std::vector<double> lse_d(lse.begin(), lse.end());
-    CHECK(max_abs_diff(lse_d, ref_lse) <= tol * (1.0 + max_abs(ref_lse)));
+    CHECK(max_abs_diff(lse_d, ref_lse) <= tol / 2 * (1.0 + max_abs(ref_lse)));
   }
 }
 
@@ -271,7 +279,8 @@ TEST_CASE("attention_forward of one token copies its value row") {
     for (std::int64_t h = 0; h < s.NH; ++h) {
       // lse of a single score is the score itself.
       double dot = 0;
-      for (std::int64_t d = 0; d < 8; ++d) dot += qkv[b * 3 * s.C + h * 8 + d] * qkv[b * 3 * s.C + s.C + h * 8 + d];
+      for (std::int64_t d = 0; d < 8; ++d)
+        dot += qkv[b * 3 * s.C + h * 8 + d] * qkv[b * 3 * s.C + s.C + h * 8 + d];
       CHECK(lse[b * s.NH + h] == doctest::Approx(dot / std::sqrt(8.0)).epsilon(1e-6));
     }
 }
@@ -316,7 +325,7 @@ TEST_CASE("attention_backward matches central finite differences of sum(out * W)
       scale = std::max(scale, std::fabs(fd));
     }
     CHECK(scale > 0.1);
-    CHECK(worst <= 1e-6 * scale);
+    CHECK(worst <= 1e-7 * scale);
   }
 }
 
@@ -325,11 +334,12 @@ TEST_CASE("attention_backward in float matches the double backward on the same i
   for (const AttnShape& s : shapes) {
     CAPTURE(s.T);
     CAPTURE(s.C);
-    const std::vector<float> qkv = cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.fb.qkv", 1.5));
+    const std::vector<float> qkv =
+        cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.fb.qkv", 1.5));
     const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "attention.fb.dout"));
     const std::vector<double> ref = run_attention_backward(to_double(dout), to_double(qkv), s);
     const std::vector<double> got = to_double(run_attention_backward(dout, qkv, s));
-    CHECK(max_abs_diff(got, ref) <= 1e-5 * max_abs(ref));
+    CHECK(max_abs_diff(got, ref) <= 3e-6 * max_abs(ref));
   }
 }
 
@@ -382,8 +392,9 @@ TEST_CASE("attention rejects a head count that does not divide the channels") {
 namespace {
 
 // losses[r] = logsumexp(x[r, 0:V]) - x[r, t_r], in double.
-std::vector<double> cross_entropy_reference(const std::vector<double>& logits, const std::vector<std::int32_t>& targets,
-                                            std::int64_t rows, std::int64_t V, std::int64_t Vp) {
+std::vector<double> cross_entropy_reference(const std::vector<double>& logits,
+                                            const std::vector<std::int32_t>& targets, std::int64_t rows,
+                                            std::int64_t V, std::int64_t Vp) {
   std::vector<double> losses(static_cast<std::size_t>(rows));
   for (std::int64_t r = 0; r < rows; ++r) {
     double m = -INFINITY;
@@ -398,7 +409,8 @@ std::vector<double> cross_entropy_reference(const std::vector<double>& logits, c
 std::vector<std::int32_t> random_targets(std::int64_t rows, std::int64_t V, const char* name) {
   const auto stream = rng::Stream::named(99, name);
   std::vector<std::int32_t> t(static_cast<std::size_t>(rows));
-  for (std::int64_t r = 0; r < rows; ++r) t[r] = static_cast<std::int32_t>(stream.uniform(r) * V) % static_cast<std::int32_t>(V);
+  for (std::int64_t r = 0; r < rows; ++r)
+    t[r] = static_cast<std::int32_t>(stream.uniform(r) * V) % static_cast<std::int32_t>(V);
   return t;
 }
 
@@ -427,7 +439,7 @@ TEST_CASE_TEMPLATE("cross_entropy_forward and the fused kernel's losses match a 
     cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), s.rows, s.V, s.Vp);
     cpu::cross_entropy_forward_backward(logits.data(), fused.data(), targets.data(), s.rows, s.V, s.Vp,
                                         cpu::acc_t<T>(1));
-    const double tol = std::is_same_v<T, float> ? 2e-6 : 1e-13;
+    const double tol = std::is_same_v<T, float> ? 5e-7 : 1e-14;
     for (std::int64_t r = 0; r < s.rows; ++r) {
       CHECK(std::fabs(losses[r] - ref[r]) <= tol * (1.0 + std::fabs(ref[r])));
       CHECK(fused[r] == losses[r]);  // same statistics code: identical bits
@@ -466,7 +478,7 @@ TEST_CASE("cross_entropy gradient matches central finite differences of the mean
     }
   }
   CHECK(scale > 0.05);
-  CHECK(worst <= 1e-7 * scale);
+  CHECK(worst <= 1e-8 * scale);
   // Each row's gradient sums to zero (softmax minus a one-hot, times dloss).
   for (std::int64_t r = 0; r < rows; ++r) {
     double sum = 0;
@@ -499,8 +511,8 @@ TEST_CASE("cross_entropy names the row, the token and the vocabulary of an out-o
   std::vector<std::int32_t> targets = random_targets(rows, V, "xent.bad.targets");
   std::vector<float> losses(rows, 0.0f);
   targets[5] = 300;
-  CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward_backward(logits.data(), losses.data(), targets.data(), rows, V,
-                                                           Vp, 1.0f / rows),
+  CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward_backward(logits.data(), losses.data(), targets.data(), rows,
+                                                           V, Vp, 1.0f / rows),
                        doctest::Contains("target token 300 at row 5 is outside the vocabulary [0, 256)"),
                        llmpar::Error);
   CHECK(bitwise_equal(logits, before));  // validated before anything was written
@@ -512,8 +524,9 @@ TEST_CASE("cross_entropy names the row, the token and the vocabulary of an out-o
   CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, V, Vp),
                        doctest::Contains("target token -1 at row 2 is outside the vocabulary [0, 256)"),
                        llmpar::Error);
-  CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, 300, 256),
-                       doctest::Contains("V = 300, Vp = 256"), llmpar::Error);
+  CHECK_THROWS_WITH_AS(
+      cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, 300, 256),
+      doctest::Contains("V = 300, Vp = 256"), llmpar::Error);
 }
 
 TEST_CASE("cross_entropy results are bitwise identical for 1, 2 and 3 threads") {
@@ -525,8 +538,8 @@ TEST_CASE("cross_entropy results are bitwise identical for 1, 2 and 3 threads") 
     with_threads(n, [&] {
       grads[n - 1] = logits;
       losses[n - 1].assign(rows, 0.0f);
-      cpu::cross_entropy_forward_backward(grads[n - 1].data(), losses[n - 1].data(), targets.data(), rows, V, Vp,
-                                          1.0f / rows);
+      cpu::cross_entropy_forward_backward(grads[n - 1].data(), losses[n - 1].data(), targets.data(), rows, V,
+                                          Vp, 1.0f / rows);
     });
   }
   CHECK(bitwise_equal(grads[0], grads[1]));
@@ -561,6 +574,6 @@ TEST_CASE("softmax_forward with a temperature matches the reference and sums to 
     CHECK(total_f == doctest::Approx(1.0).epsilon(1e-5));
   }
   std::vector<float> p(4), l(4, 0.0f);
-  CHECK_THROWS_WITH_AS(cpu::softmax_forward(p.data(), l.data(), 4, 0.0f), doctest::Contains("temperature = 0"),
-                       llmpar::Error);
+  CHECK_THROWS_WITH_AS(cpu::softmax_forward(p.data(), l.data(), 4, 0.0f),
+                       doctest::Contains("temperature = 0"), llmpar::Error);
 }

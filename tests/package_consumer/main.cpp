@@ -1,8 +1,8 @@
 // Uses the installed headers the way a trainer would, and checks a few known values.
 #include <cstdio>
-
 #include <llmpar/core/dtype.hpp>
 #include <llmpar/core/rng.hpp>
+#include <llmpar/llmpar.hpp>  // the umbrella: every installed CPU header compiles for a user
 
 int main() {
   int failures = 0;

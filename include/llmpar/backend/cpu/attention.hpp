@@ -11,8 +11,8 @@
 // every row keeps a math::OnlineSoftmax state plus an unnormalised output row, both
 // rescaled when a tile raises the row's max. Tiles strictly above the diagonal are
 // never touched and, in the diagonal tile, each row stops at its own position (rounded
-// up to 16 keys in the score kernel), so the work is the causal T^2/2. The forward saves only out and lse = log-sum-exp of each
-// row's scaled scores, which is all the backward needs to recompute probabilities.
+// up to 16 keys in the score kernel), so the work is the causal T^2/2. The forward saves only out and lse =
+// log-sum-exp of each row's scaled scores, which is all the backward needs to recompute probabilities.
 //
 // Backward (FlashAttention-2). With D_t = dout_t . out_t, for each key tile (outer)
 // and the query rows at or after it (inner): p = exp(s - lse), dv += p dout,
@@ -66,8 +66,8 @@ static_assert(kTile == 64, "dot_cols dispatches 16, 32, 48 or 64 keys: a tile of
 // horizontal reduction and no FMA latency chain (a dot product per key would have
 // both).
 template <int kHs, int kCols, class Acc>
-inline void dot_cols_fixed(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT bt,
-                           std::int64_t hs_runtime, Acc scale) {
+inline void dot_cols_fixed(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a,
+                           const Acc* LLMPAR_RESTRICT bt, std::int64_t hs_runtime, Acc scale) {
   const std::int64_t hs = kHs > 0 ? kHs : hs_runtime;
   Acc acc[kCols] = {};
   for (std::int64_t d = 0; d < hs; ++d) {
@@ -86,10 +86,18 @@ template <int kHs, class Acc>
 inline void dot_cols(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT bt,
                      std::int64_t n, std::int64_t hs, Acc scale) {
   switch ((n + 15) / 16) {
-    case 1: dot_cols_fixed<kHs, 16>(s, a, bt, hs, scale); break;
-    case 2: dot_cols_fixed<kHs, 32>(s, a, bt, hs, scale); break;
-    case 3: dot_cols_fixed<kHs, 48>(s, a, bt, hs, scale); break;
-    default: dot_cols_fixed<kHs, 64>(s, a, bt, hs, scale); break;
+    case 1:
+      dot_cols_fixed<kHs, 16>(s, a, bt, hs, scale);
+      break;
+    case 2:
+      dot_cols_fixed<kHs, 32>(s, a, bt, hs, scale);
+      break;
+    case 3:
+      dot_cols_fixed<kHs, 48>(s, a, bt, hs, scale);
+      break;
+    default:
+      dot_cols_fixed<kHs, 64>(s, a, bt, hs, scale);
+      break;
   }
 }
 
@@ -119,8 +127,8 @@ inline void axpy_rows(Acc* LLMPAR_RESTRICT acc, const Acc* LLMPAR_RESTRICT w, co
 // Copies n rows of one head into a contiguous block, converting to Acc.
 // dst: (n, hs); src: rows `stride` elements apart.
 template <class T, class Acc>
-inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n,
-                      std::int64_t hs, std::int64_t stride) {
+inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n, std::int64_t hs,
+                      std::int64_t stride) {
   for (std::int64_t r = 0; r < n; ++r) {
     const T* LLMPAR_RESTRICT row = src + r * stride;
     Acc* LLMPAR_RESTRICT out = dst + r * hs;
@@ -174,12 +182,12 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
   const std::int64_t ni = std::min(kTile, T_len - i0);
   const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), head column offset
 
-  Acc* LLMPAR_RESTRICT q = scratch;              // (ni, hs)
-  Acc* LLMPAR_RESTRICT o = q + kTile * hs;       // (ni, hs) unnormalised output
-  Acc* LLMPAR_RESTRICT kt = o + kTile * hs;      // (hs, kTile) key tile, transposed
-  Acc* LLMPAR_RESTRICT v = kt + kTile * hs;      // (nj, hs)
-  Acc* LLMPAR_RESTRICT s = v + kTile * hs;       // (kTile) scores, then weights, of one row
-  math::OnlineSoftmax<Acc> state[kTile];         // (ni)
+  Acc* LLMPAR_RESTRICT q = scratch;          // (ni, hs)
+  Acc* LLMPAR_RESTRICT o = q + kTile * hs;   // (ni, hs) unnormalised output
+  Acc* LLMPAR_RESTRICT kt = o + kTile * hs;  // (hs, kTile) key tile, transposed
+  Acc* LLMPAR_RESTRICT v = kt + kTile * hs;  // (nj, hs)
+  Acc* LLMPAR_RESTRICT s = v + kTile * hs;   // (kTile) scores, then weights, of one row
+  math::OnlineSoftmax<Acc> state[kTile];     // (ni)
 
   pack_rows(q, head + i0 * C3, ni, hs, C3);
   std::fill(o, o + ni * hs, Acc(0));
@@ -255,22 +263,22 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
   const std::int64_t hs = kHs > 0 ? kHs : C / NH;
   const std::int64_t C3 = 3 * C;
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
-  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;   // (T, 3C), head column offset
-  T* LLMPAR_RESTRICT dhead = dqkv + b * T_len * C3 + h * hs;       // (T, 3C), head column offset
-  const std::int64_t row0 = b * T_len * C + h * hs;                // head offset in (B, T, C)
+  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;     // (T, 3C), head column offset
+  T* LLMPAR_RESTRICT dhead = dqkv + b * T_len * C3 + h * hs;         // (T, 3C), head column offset
+  const std::int64_t row0 = b * T_len * C + h * hs;                  // head offset in (B, T, C)
   const Acc* LLMPAR_RESTRICT lse_head = lse + (b * NH + h) * T_len;  // (T)
 
-  Acc* LLMPAR_RESTRICT q = scratch;            // (T, hs)
-  Acc* LLMPAR_RESTRICT k = q + T_len * hs;     // (T, hs)
-  Acc* LLMPAR_RESTRICT g = k + T_len * hs;     // (T, hs) dout of this head
-  Acc* LLMPAR_RESTRICT dq = g + T_len * hs;    // (T, hs)
-  Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;   // (T, hs)
-  Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;   // (T, hs)
-  Acc* LLMPAR_RESTRICT D = dv + T_len * hs;    // (T) dout_t . out_t
-  Acc* LLMPAR_RESTRICT o = D + T_len;          // (hs) one row of out
-  Acc* LLMPAR_RESTRICT kt = o + hs;            // (hs, kTile) key tile, transposed
-  Acc* LLMPAR_RESTRICT vt = kt + hs * kTile;   // (hs, kTile) value tile, transposed
-  Acc* LLMPAR_RESTRICT pt = vt + hs * kTile;   // (kTile keys, kTile rows) p^T
+  Acc* LLMPAR_RESTRICT q = scratch;               // (T, hs)
+  Acc* LLMPAR_RESTRICT k = q + T_len * hs;        // (T, hs)
+  Acc* LLMPAR_RESTRICT g = k + T_len * hs;        // (T, hs) dout of this head
+  Acc* LLMPAR_RESTRICT dq = g + T_len * hs;       // (T, hs)
+  Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;      // (T, hs)
+  Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;      // (T, hs)
+  Acc* LLMPAR_RESTRICT D = dv + T_len * hs;       // (T) dout_t . out_t
+  Acc* LLMPAR_RESTRICT o = D + T_len;             // (hs) one row of out
+  Acc* LLMPAR_RESTRICT kt = o + hs;               // (hs, kTile) key tile, transposed
+  Acc* LLMPAR_RESTRICT vt = kt + hs * kTile;      // (hs, kTile) value tile, transposed
+  Acc* LLMPAR_RESTRICT pt = vt + hs * kTile;      // (kTile keys, kTile rows) p^T
   Acc* LLMPAR_RESTRICT dst = pt + kTile * kTile;  // (kTile keys, kTile rows) (ds * scale)^T
   Acc* LLMPAR_RESTRICT p = dst + kTile * kTile;   // (kTile) p of one row
   Acc* LLMPAR_RESTRICT dp = p + kTile;            // (kTile) dp, then ds * scale, of one row
@@ -361,10 +369,18 @@ void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std:
   detail::attn::check_shape("attention_forward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
   switch (C / NH) {
-    case 32: detail::attn::forward<32>(out, lse, qkv, B, T_len, C, NH); break;
-    case 64: detail::attn::forward<64>(out, lse, qkv, B, T_len, C, NH); break;
-    case 128: detail::attn::forward<128>(out, lse, qkv, B, T_len, C, NH); break;
-    default: detail::attn::forward<0>(out, lse, qkv, B, T_len, C, NH); break;
+    case 32:
+      detail::attn::forward<32>(out, lse, qkv, B, T_len, C, NH);
+      break;
+    case 64:
+      detail::attn::forward<64>(out, lse, qkv, B, T_len, C, NH);
+      break;
+    case 128:
+      detail::attn::forward<128>(out, lse, qkv, B, T_len, C, NH);
+      break;
+    default:
+      detail::attn::forward<0>(out, lse, qkv, B, T_len, C, NH);
+      break;
   }
 }
 
@@ -376,10 +392,18 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, cons
   detail::attn::check_shape("attention_backward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
   switch (C / NH) {
-    case 32: detail::attn::backward<32>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
-    case 64: detail::attn::backward<64>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
-    case 128: detail::attn::backward<128>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
-    default: detail::attn::backward<0>(dqkv, dout, qkv, out, lse, B, T_len, C, NH); break;
+    case 32:
+      detail::attn::backward<32>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+      break;
+    case 64:
+      detail::attn::backward<64>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+      break;
+    case 128:
+      detail::attn::backward<128>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+      break;
+    default:
+      detail::attn::backward<0>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+      break;
   }
 }
 

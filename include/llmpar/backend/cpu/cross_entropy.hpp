@@ -37,7 +37,8 @@ inline constexpr std::int64_t kChunk = 1024;
 
 // Softmax statistics of x[0, n) * inv_temperature.   x: (n)
 template <class T>
-math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t n, acc_t<T> inv_temperature) {
+math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t n,
+                                        acc_t<T> inv_temperature) {
   using Acc = acc_t<T>;
   math::OnlineSoftmax<Acc> total;
   for (std::int64_t c0 = 0; c0 < n; c0 += kChunk) {
@@ -49,7 +50,8 @@ math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t
     if (m == Acc(-INFINITY)) continue;  // only -inf logits: contributes nothing
     Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t i = 0; i < len; ++i) sum += math::fast_exp(static_cast<Acc>(xc[i]) * inv_temperature - m);
+    for (std::int64_t i = 0; i < len; ++i)
+      sum += math::fast_exp(static_cast<Acc>(xc[i]) * inv_temperature - m);
     // A NaN logit is invisible to the max but makes the sum NaN: the loss reports it.
     total.combine(math::OnlineSoftmax<Acc>{m, sum});
   }
@@ -89,7 +91,8 @@ void cross_entropy_forward_backward(T* LLMPAR_RESTRICT logits, acc_t<T>* LLMPAR_
     const Acc target_logit = static_cast<Acc>(x[target]);
     losses[r] = lse - target_logit;
 #pragma omp simd
-    for (std::int64_t i = 0; i < V; ++i) x[i] = static_cast<T>(dloss * math::fast_exp(static_cast<Acc>(x[i]) - lse));
+    for (std::int64_t i = 0; i < V; ++i)
+      x[i] = static_cast<T>(dloss * math::fast_exp(static_cast<Acc>(x[i]) - lse));
     x[target] = static_cast<T>(dloss * (math::fast_exp(target_logit - lse) - Acc(1)));
     std::fill(x + V, x + Vp, static_cast<T>(0.0f));
   }
@@ -122,7 +125,8 @@ void softmax_forward(acc_t<T>* LLMPAR_RESTRICT probs, const T* LLMPAR_RESTRICT l
   const Acc inv_temperature = Acc(1) / temperature;
   const Acc lse = detail::xent::row_stats(logits, V, inv_temperature).log_sum_exp();
 #pragma omp simd
-  for (std::int64_t i = 0; i < V; ++i) probs[i] = math::fast_exp(static_cast<Acc>(logits[i]) * inv_temperature - lse);
+  for (std::int64_t i = 0; i < V; ++i)
+    probs[i] = math::fast_exp(static_cast<Acc>(logits[i]) * inv_temperature - lse);
 }
 
 }  // namespace llmpar::backend::cpu
