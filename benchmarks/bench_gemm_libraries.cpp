@@ -335,6 +335,7 @@ void BM_fma_peak(benchmark::State& state) {
 }
 #endif
 
+#if LLMPAR_BENCH_OPENBLAS
 std::string openmp_kind(int parallel) {
   switch (parallel) {
     case 0:
@@ -347,6 +348,7 @@ std::string openmp_kind(int parallel) {
       return "unknown (" + std::to_string(parallel) + ")";
   }
 }
+#endif
 
 std::string library_of(void* symbol) {
   Dl_info info{};
