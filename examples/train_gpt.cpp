@@ -25,7 +25,7 @@ struct Options {
   std::int64_t batch = 16;
   std::int64_t grad_accum = 1;
   float lr = 2e-3f;
-  std::int64_t warmup = 20;
+  std::optional<std::int64_t> warmup;  // default: min(20, steps)
   float weight_decay = 0.1f;
   float grad_clip = 1.0f;
   std::uint64_t seed = 1337;
@@ -57,6 +57,7 @@ int run(const Options& o) {
     cfg.vocab = *o.vocab;
     cfg.padded_vocab = models::GPT2Config::pad_vocab(*o.vocab);
   }
+  const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
   const std::int64_t seq = o.seq.value_or(std::min<std::int64_t>(cfg.max_seq, 128));
   cfg.max_seq = std::max(cfg.max_seq, seq);
   cfg.validate();
@@ -94,17 +95,17 @@ int run(const Options& o) {
   std::printf("train: %lld steps, batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
               "MFU against measured sgemm peak %.1f GFLOP/s\n",
               static_cast<long long>(o.steps), static_cast<long long>(o.batch), static_cast<long long>(seq),
-              static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(o.warmup), peak);
+              static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(warmup), peak);
 
   train::MetricsWriter metrics(o.metrics);
   metrics.write({{"type", "config"}, {"model", o.model}, {"layers", cfg.layers}, {"heads", cfg.heads},
                  {"dim", cfg.dim}, {"seq", seq}, {"vocab", cfg.vocab}, {"padded_vocab", cfg.padded_vocab},
                  {"parameters", model.num_parameters()}, {"batch", o.batch}, {"grad_accum", o.grad_accum},
-                 {"steps", o.steps}, {"lr", o.lr}, {"warmup", o.warmup}, {"seed", o.seed},
+                 {"steps", o.steps}, {"lr", o.lr}, {"warmup", warmup}, {"seed", o.seed},
                  {"precision", o.precision}, {"peak_gflops", peak}});
 
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
-  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps};
+  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
   train::Trainer<models::GPT2<float>> trainer(ctx, model, opt, schedule, train_loader,
                                               {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak});
   // Never count a validation batch twice: at most one pass over the validation data.
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", o.batch, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->capture_default_str();
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10%")->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10% (default: min(20, steps))");
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--grad-clip", o.grad_clip, "Max global gradient norm (0: off)")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of initialisation and sampling")->capture_default_str();

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# End-to-end checks of the example programs, as a user runs them.
+#   end_to_end.sh BIN_DIR WORK_DIR CASE
+# Cases:
+#   fortunes      the default run (shortened) learns: validation loss falls by > 1 nat,
+#                 metrics are JSON lines, a sample is printed
+#   shards        prepare_data turns text into shards that train_gpt trains on
+#   missing-data  a glob that matches nothing names the pattern and how to make shards
+#   corrupt-shard a text file passed as a shard names the file and the wrong magic
+#   bad-config    a dim that heads does not divide names both values
+set -euo pipefail
+bin="$1" work="$2" case="$3"
+rm -rf "$work" && mkdir -p "$work" && cd "$work"
+
+fail() { echo "FAILED: $*" >&2; exit 1; }
+expect_error() {  # expect_error PATTERN COMMAND...: the command fails and says PATTERN
+  local pattern="$1" out
+  shift
+  if out="$("$@" 2>&1)"; then fail "expected '$*' to fail; it printed: $out"; fi
+  echo "$out"
+  grep -qF -- "$pattern" <<<"$out" || fail "the error does not say '$pattern'"
+}
+
+case "$case" in
+  fortunes)
+    "$bin/train_gpt" --steps 40 --warmup 10 --eval-every 40 --eval-batches 8 --sample-tokens 60 \
+      --peak-gflops 50 --metrics metrics.jsonl | tee out.txt
+    first=$(grep -m1 'val loss' out.txt | awk '{print $NF}')
+    last=$(grep 'val loss' out.txt | tail -1 | awk '{print $NF}')
+    awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }' || fail "val loss $first -> $last did not fall by 1 nat"
+    grep -q -- '---- sample' out.txt || fail "no sample printed"
+    [[ $(grep -c '"type":"step"' metrics.jsonl) == 40 ]] || fail "metrics.jsonl lacks 40 step records"
+    grep -q '"type":"config"' metrics.jsonl || fail "metrics.jsonl lacks the config record"
+    grep -q '"type":"eval"' metrics.jsonl || fail "metrics.jsonl lacks eval records"
+    ;;
+  shards)
+    for i in $(seq 1 200); do echo "Line $i of a small corpus, with words to learn and bytes to predict."; done >text.txt
+    "$bin/prepare_data" --out data/small text.txt
+    [[ -f data/small_train.bin && -f data/small_val.bin ]] || fail "prepare_data wrote no shards"
+    "$bin/train_gpt" --data 'data/small_train*.bin' --steps 5 --batch 2 --seq 32 --eval-every 5 \
+      --eval-batches 2 --sample-tokens 0 --peak-gflops 50 | tee out.txt
+    grep -q 'step     5/5' out.txt || fail "training on shards did not reach step 5"
+    ;;
+  missing-data)
+    expect_error "no shard matches 'nowhere/x_train*.bin'" "$bin/train_gpt" --data 'nowhere/x_train*.bin'
+    ;;
+  corrupt-shard)
+    echo "plain text, not a shard" >x_train.bin
+    expect_error "'x_train.bin' is 24 bytes, shorter than the 1024-byte shard header" "$bin/train_gpt" --data x_train.bin
+    for i in $(seq 1 100); do echo "plain text, not a shard"; done >x_train.bin
+    expect_error "magic" "$bin/train_gpt" --data x_train.bin
+    ;;
+  bad-config)
+    expect_error "dim 100 is not divisible by heads 12" "$bin/train_gpt" --heads 12 --dim 100
+    ;;
+  *) fail "unknown case '$case'" ;;
+esac
+echo "PASSED: $case"
