@@ -29,6 +29,7 @@ struct Options {
   float weight_decay = 0.1f;
   float grad_clip = 1.0f;
   std::uint64_t seed = 1337;
+  bool shuffle = true;
   std::int64_t eval_every = 100;
   std::int64_t eval_batches = 16;
   std::string precision = "fp32";
@@ -82,7 +83,10 @@ int run(const Options& o) {
                 static_cast<long long>(val_set->num_tokens()));
   }
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
-  data::DataLoader train_loader(*train_set, lc);
+  data::LoaderConfig train_lc = lc;
+  train_lc.shuffle = o.shuffle;
+  train_lc.seed = o.seed;
+  data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, lc);
 
   backend::cpu::Context ctx;
@@ -159,7 +163,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10% (default: min(20, steps))");
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--grad-clip", o.grad_clip, "Max global gradient norm (0: off)")->capture_default_str();
-  app.add_option("--seed", o.seed, "Seed of initialisation and sampling")->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed of initialisation, data order and sampling")->capture_default_str();
+  app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "Visit training windows in a seeded random order (default on)");
   app.add_option("--eval-every", o.eval_every, "Validate every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "Batches per validation")->capture_default_str();
   app.add_option("--precision", o.precision, "Numeric precision")->check(CLI::IsMember({"fp32"}))->capture_default_str();

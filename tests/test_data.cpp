@@ -344,9 +344,58 @@ TEST_CASE("a restored loader state resumes exactly where it was saved") {
   b.restore(saved);
   CHECK(b.state() == saved);
   CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
-  CHECK(error_of([&] { b.restore({.shard = 0, .position = 5, .epoch = 0}); }).find("position 5") != std::string::npos);
-  CHECK(error_of([&] { b.restore({.shard = 1, .position = 0, .epoch = 0}); }).find("names shard 1") !=
+  CHECK(error_of([&] { b.restore({.shard = 0, .window = 16, .epoch = 0}); }).find("window 16") != std::string::npos);
+  CHECK(error_of([&] { b.restore({.shard = 1, .window = 0, .epoch = 0}); }).find("names shard 1") !=
         std::string::npos);
+  CHECK(error_of([&] { b.restore({.shard = 0, .window = 0, .epoch = 0, .window_tokens = 12}); })
+            .find("saved with windows of 12 tokens (world*B*T) but this loader reads 6") != std::string::npos);
+}
+
+TEST_CASE("a shuffled epoch visits every window once, in an order fixed by (seed, epoch)") {
+  const int B = 2, T = 3;
+  const auto ds = TokenDataset::from_tokens(iota_tokens(200), 256);
+  DataLoader a(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
+  DataLoader same(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
+  DataLoader other(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 8});
+  const std::int64_t n = a.batches_per_epoch();
+  REQUIRE(n == 33);  // (200 - 1) / 6
+  std::vector<std::int32_t> epoch0, epoch1, other0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Batch b = a.next();
+    CHECK(b.targets[0] == b.inputs[0] + 1);
+    CHECK(b.inputs[0] % (B * T) == 0);  // a whole window
+    epoch0.push_back(b.inputs[0]);
+    CHECK(same.next().inputs[0] == epoch0.back());
+    other0.push_back(other.next().inputs[0]);
+  }
+  CHECK(a.epoch() == 1);
+  for (std::int64_t i = 0; i < n; ++i) epoch1.push_back(a.next().inputs[0]);
+  std::vector<std::int32_t> sorted = epoch0;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::int64_t i = 0; i < n; ++i) CHECK(sorted[static_cast<std::size_t>(i)] == i * B * T);
+  CHECK(epoch0 != sorted);  // actually shuffled
+  CHECK(epoch1 != epoch0);  // a new order each epoch
+  CHECK(other0 != epoch0);  // the seed matters
+  // A restored state continues the same permutation.
+  DataLoader c(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
+  for (int i = 0; i < 5; ++i) c.next();
+  DataLoader d(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
+  d.restore(c.state());
+  for (int i = 0; i < 40; ++i) CHECK(d.next().inputs[0] == c.next().inputs[0]);
+}
+
+TEST_CASE("shuffled ranks together read what one shuffled rank reads") {
+  const int B = 2, T = 4, world = 2;
+  const auto ds = TokenDataset::from_tokens(iota_tokens(250), 256);
+  DataLoader serial(ds, {.batch_size = B * world, .seq_len = T, .shuffle = true, .seed = 3});
+  DataLoader r0(ds, {.batch_size = B, .seq_len = T, .rank = 0, .world = world, .shuffle = true, .seed = 3});
+  DataLoader r1(ds, {.batch_size = B, .seq_len = T, .rank = 1, .world = world, .shuffle = true, .seed = 3});
+  for (int step = 0; step < 20; ++step) {
+    auto whole = to_vector(serial.next().inputs);
+    auto a = to_vector(r0.next().inputs), b = to_vector(r1.next().inputs);
+    a.insert(a.end(), b.begin(), b.end());
+    CHECK(a == whole);
+  }
 }
 
 TEST_CASE("the byte tokenizer round-trips any bytes and rejects ids it cannot decode") {

@@ -6,10 +6,11 @@
 // once, up front: an id >= vocab would otherwise index past the embedding table, which
 // is a crash on a GPU and silent garbage on a CPU.
 //
-// DataLoader reads the way llm.c does: batches are B*T+1 contiguous tokens, taken in
-// order, with no shuffling and no random access. That makes a training run a pure
-// function of (data, B, T, world), the order is trivial to checkpoint (a shard index and
-// an offset), and a batch costs one sequential read of a mapped file. Data parallelism
+// DataLoader reads the way llm.c does: batches are B*T+1 contiguous tokens, in order or
+// (with shuffle) in an order of whole windows permuted per shard and epoch by the
+// counter-based RNG. Either way a training run is a pure function of (data, B, T,
+// world, seed), the order is trivial to checkpoint (a shard, a window index, an epoch),
+// and a batch costs one sequential read of a mapped file. Data parallelism
 // is built in the same way: the world's ranks read consecutive B*T chunks of one global
 // window of world*B*T+1 tokens, so world ranks with batch B see exactly the rows one rank
 // with batch world*B sees — the serial-equivalence contract for data parallelism.
@@ -35,6 +36,7 @@
 
 #include "llmpar/config.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/core/rng.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/data/shard.hpp"
 #include "llmpar/data/tokenizer.hpp"
@@ -152,13 +154,16 @@ struct LoaderConfig {
   int seq_len = 0;     // T: tokens per row
   int rank = 0;        // this rank's index among the data-parallel ranks
   int world = 1;       // number of data-parallel ranks reading the dataset together
+  bool shuffle = false;     // visit each shard's windows in a permuted order, new every epoch
+  std::uint64_t seed = 0;   // of that order (the same on every rank)
 };
 
 // Where the loader will read next: enough to resume a run exactly from a checkpoint.
 struct LoaderState {
   std::size_t shard = 0;
-  std::int64_t position = 0;  // token offset of the world's next window in the shard
-  std::int64_t epoch = 0;     // completed passes over the dataset
+  std::int64_t window = 0;  // index, in this epoch's order, of the world's next window in the shard
+  std::int64_t epoch = 0;   // completed passes over the dataset
+  std::int64_t window_tokens = 0;  // world*B*T of the loader that saved it (0: not checked)
   friend bool operator==(const LoaderState&, const LoaderState&) = default;
 };
 
@@ -167,11 +172,13 @@ struct Batch {
   View<const std::int32_t> targets;  // (B,T): targets[b][t] = the token after inputs[b][t]
 };
 
-// Sequential batches of one rank's rows. Each call to next() consumes one window of
-// world*B*T+1 tokens; rank r reads tokens [r*B*T, r*B*T + B*T + 1) of it. A window never
-// spans two shards: when the current shard has fewer than world*B*T+1 tokens left, the
-// loader moves to the next shard (and after the last, back to the first, ending an
-// epoch), leaving at most world*B*T tokens at each shard's end unread, as llm.c does.
+// Batches of one rank's rows. A shard is cut into windows of world*B*T tokens (plus the
+// one token after, for the last target); each call to next() consumes one window, and
+// rank r reads tokens [r*B*T, r*B*T + B*T + 1) of it. Windows are taken in order, or
+// with shuffle in a permutation drawn from (seed, epoch, shard) — the same on every
+// rank. A window never spans two shards: after a shard's last whole window the loader
+// moves to the next shard (and after the last, back to the first, ending an epoch),
+// leaving fewer than world*B*T tokens at each shard's end unread, as llm.c does.
 class DataLoader {
  public:
   DataLoader(const TokenDataset& data, LoaderConfig config) : data_(&data), config_(config) {
@@ -194,6 +201,8 @@ class DataLoader {
     }
     inputs_.resize(rows_);
     targets_.resize(rows_);
+    state_.window_tokens = stride_;
+    draw_order();
   }
   // The loader keeps a pointer to the dataset, so a temporary one would dangle.
   DataLoader(TokenDataset&&, LoaderConfig) = delete;
@@ -201,8 +210,9 @@ class DataLoader {
   // The next batch. The views point into the loader's buffers and are valid until the
   // next call to next().
   Batch next() {
-    const std::uint16_t* src =
-        data_->shard(state_.shard).data() + state_.position + static_cast<std::int64_t>(config_.rank) * rows_;
+    const std::int64_t window = order_.empty() ? state_.window : order_[static_cast<std::size_t>(state_.window)];
+    const std::uint16_t* src = data_->shard(state_.shard).data() + window * stride_ +
+                               static_cast<std::int64_t>(config_.rank) * rows_;
     std::int32_t* LLMPAR_RESTRICT in = inputs_.data();
     std::int32_t* LLMPAR_RESTRICT tgt = targets_.data();
     for (std::int64_t i = 0; i < rows_; ++i) {
@@ -215,14 +225,13 @@ class DataLoader {
   }
 
   // Back to the first batch of the first shard, epoch 0.
-  void reset() { state_ = {}; }
+  void reset() { restore({.window_tokens = stride_}); }
   std::int64_t epoch() const { return state_.epoch; }
   const LoaderConfig& config() const { return config_; }
   // Batches in one pass over the dataset (every rank gets the same number).
   std::int64_t batches_per_epoch() const {
     std::int64_t n = 0;
-    for (std::size_t i = 0; i < data_->num_shards(); ++i)
-      n += (static_cast<std::int64_t>(data_->shard(i).size()) - 1) / stride_;
+    for (std::size_t i = 0; i < data_->num_shards(); ++i) n += windows(i);
     return n;
   }
 
@@ -230,26 +239,51 @@ class DataLoader {
   // Resumes at a state from state(); it must come from a loader with the same data, B, T
   // and world, which the checks below catch in the cases where it would read wrongly.
   void restore(const LoaderState& s) {
+    LLMPAR_CHECK(s.window_tokens == 0 || s.window_tokens == stride_, "loader state was saved with windows of ",
+                 s.window_tokens, " tokens (world*B*T) but this loader reads ", stride_,
+                 "; resume with the batch size, sequence length and world size of the checkpoint");
     LLMPAR_CHECK(s.shard < data_->num_shards(), "loader state names shard ", s.shard, " but the dataset has ",
                  data_->num_shards(), " shards; resume with the data the checkpoint was trained on");
-    const auto n = static_cast<std::int64_t>(data_->shard(s.shard).size());
-    LLMPAR_CHECK(s.position >= 0 && s.position % stride_ == 0 && s.position + stride_ + 1 <= n,
-                 "loader state position ", s.position, " in '", data_->shard_name(s.shard), "' (", n,
-                 " tokens) is not the start of a batch window of world*B*T = ", stride_,
-                 " tokens; resume with the batch size, sequence length and world size of the checkpoint");
+    LLMPAR_CHECK(s.window >= 0 && s.window < windows(s.shard), "loader state window ", s.window, " of '",
+                 data_->shard_name(s.shard), "' is outside its ", windows(s.shard),
+                 " windows; resume with the data, batch size, sequence length and world size of the checkpoint");
     LLMPAR_CHECK(s.epoch >= 0, "loader state epoch ", s.epoch, " is negative");
     state_ = s;
+    state_.window_tokens = stride_;
+    draw_order();
   }
 
  private:
+  // Whole windows of world*B*T (+1) tokens in shard i.
+  std::int64_t windows(std::size_t i) const {
+    return (static_cast<std::int64_t>(data_->shard(i).size()) - 1) / stride_;
+  }
+
   void advance() {
-    state_.position += stride_;
-    if (state_.position + stride_ + 1 > static_cast<std::int64_t>(data_->shard(state_.shard).size())) {
-      state_.position = 0;
+    if (++state_.window == windows(state_.shard)) {
+      state_.window = 0;
       if (++state_.shard == data_->num_shards()) {
         state_.shard = 0;
         ++state_.epoch;
       }
+      draw_order();
+    }
+  }
+
+  // The window order of the current (epoch, shard): a Fisher-Yates permutation driven by
+  // the counter-based RNG, so every rank draws the same order without communicating.
+  void draw_order() {
+    order_.clear();
+    if (!config_.shuffle) return;
+    const std::int64_t n = windows(state_.shard);
+    order_.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) order_[static_cast<std::size_t>(i)] = i;
+    const rng::Stream stream(rng::mix64(config_.seed ^ rng::mix64(static_cast<std::uint64_t>(state_.epoch) << 32 |
+                                                                  static_cast<std::uint64_t>(state_.shard))));
+    for (std::int64_t i = n - 1; i > 0; --i) {
+      const rng::Counter r = stream.bits(static_cast<std::uint64_t>(i));
+      const std::uint64_t draw = static_cast<std::uint64_t>(r[0]) << 32 | r[1];
+      std::swap(order_[static_cast<std::size_t>(i)], order_[static_cast<std::size_t>(draw % static_cast<std::uint64_t>(i + 1))]);
     }
   }
 
@@ -258,6 +292,7 @@ class DataLoader {
   std::int64_t rows_ = 0;    // B*T: tokens of input per rank and batch
   std::int64_t stride_ = 0;  // world*B*T: how far the world's window moves per batch
   LoaderState state_;
+  std::vector<std::int64_t> order_;  // window order of the current shard; empty: in order
   Buffer<std::int32_t> inputs_;   // (B,T)
   Buffer<std::int32_t> targets_;  // (B,T)
 };
