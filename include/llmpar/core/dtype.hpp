@@ -12,42 +12,28 @@
 #include <type_traits>
 
 #include "llmpar/config.hpp"
+#include "llmpar/core/bits.hpp"
 
 namespace llmpar {
 
 namespace detail {
 
-LLMPAR_HOST_DEVICE std::uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  return __builtin_bit_cast(std::uint32_t, f);
-#endif
-}
-
-LLMPAR_HOST_DEVICE float bits_float(std::uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  return __builtin_bit_cast(float, u);
-#endif
-}
 
 // float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN of the same sign.
 LLMPAR_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
-  std::uint32_t x = float_bits(f);
+  std::uint32_t x = bits::of(f);
   if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
   x += 0x7FFFu + ((x >> 16) & 1u);
   return static_cast<std::uint16_t>(x >> 16);
 }
 
 LLMPAR_HOST_DEVICE float bf16_bits_to_float(std::uint16_t h) {
-  return bits_float(static_cast<std::uint32_t>(h) << 16);
+  return bits::to_float(static_cast<std::uint32_t>(h) << 16);
 }
 
 // float -> IEEE binary16 bits, round to nearest even, with subnormals, inf and NaN.
 LLMPAR_HOST_DEVICE std::uint16_t float_to_f16_bits(float f) {
-  std::uint32_t x = float_bits(f);
+  std::uint32_t x = bits::of(f);
   const std::uint32_t sign = (x >> 16) & 0x8000u;
   x &= 0x7FFFFFFFu;
   if (x >= 0x7F800000u) return static_cast<std::uint16_t>(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
@@ -78,8 +64,8 @@ LLMPAR_HOST_DEVICE float f16_bits_to_float(std::uint16_t h) {
     const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24
     return sign ? -magnitude : magnitude;
   }
-  if (exponent == 31) return bits_float(sign | 0x7F800000u | (mantissa << 13));
-  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  if (exponent == 31) return bits::to_float(sign | 0x7F800000u | (mantissa << 13));
+  return bits::to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
 }  // namespace detail

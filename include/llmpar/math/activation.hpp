@@ -24,42 +24,11 @@
 #include <type_traits>
 
 #include "llmpar/config.hpp"
+#include "llmpar/core/bits.hpp"
 
 namespace llmpar::math {
 
 namespace detail {
-
-LLMPAR_HOST_DEVICE float bits_as_float(std::uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  return __builtin_bit_cast(float, bits);
-#endif
-}
-
-LLMPAR_HOST_DEVICE std::uint32_t float_as_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  return __builtin_bit_cast(std::uint32_t, x);
-#endif
-}
-
-LLMPAR_HOST_DEVICE double bits_as_double(std::uint64_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(bits));
-#else
-  return __builtin_bit_cast(double, bits);
-#endif
-}
-
-LLMPAR_HOST_DEVICE std::uint64_t double_as_bits(double x) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<std::uint64_t>(__double_as_longlong(x));
-#else
-  return __builtin_bit_cast(std::uint64_t, x);
-#endif
-}
 
 // x with its magnitude limited to bound (finite, > 0), sign kept; NaN becomes +-bound.
 //
@@ -69,19 +38,19 @@ LLMPAR_HOST_DEVICE std::uint64_t double_as_bits(double x) {
 // vectorize. An integer min on the magnitude bits is branch-free and keeps the sign
 // as data, so no downstream value becomes constant.
 LLMPAR_HOST_DEVICE float clamp_magnitude(float x, float bound) {
-  const std::uint32_t bits = float_as_bits(x);
-  const std::uint32_t magnitude = bits & 0x7FFFFFFFu;
-  const std::uint32_t limit = float_as_bits(bound);
+  const std::uint32_t raw = bits::of(x);
+  const std::uint32_t magnitude = raw & 0x7FFFFFFFu;
+  const std::uint32_t limit = bits::of(bound);
   const std::uint32_t clamped = magnitude < limit ? magnitude : limit;
-  return bits_as_float((bits & 0x80000000u) | clamped);
+  return bits::to_float((raw & 0x80000000u) | clamped);
 }
 
 LLMPAR_HOST_DEVICE double clamp_magnitude(double x, double bound) {
-  const std::uint64_t bits = double_as_bits(x);
-  const std::uint64_t magnitude = bits & 0x7FFFFFFFFFFFFFFFull;
-  const std::uint64_t limit = double_as_bits(bound);
+  const std::uint64_t raw = bits::of(x);
+  const std::uint64_t magnitude = raw & 0x7FFFFFFFFFFFFFFFull;
+  const std::uint64_t limit = bits::of(bound);
   const std::uint64_t clamped = magnitude < limit ? magnitude : limit;
-  return bits_as_double((bits & 0x8000000000000000ull) | clamped);
+  return bits::to_double((raw & 0x8000000000000000ull) | clamped);
 }
 
 // e^x in float to about 1 ulp (Cephes' expf polynomial), built from multiplies, adds,
@@ -99,7 +68,7 @@ LLMPAR_HOST_DEVICE float exp_f32(float x) {
   // Quiet-NaN bits for a NaN x, else 0 (a 32-bit select: a bool would mix element
   // widths in the loop, which also stops vectorization).
   const std::uint32_t nan_bits =
-      (float_as_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : 0u;
+      (bits::of(x) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : 0u;
   const float xc = clamp_magnitude(x, kMaxMagnitude);
   // n = floor(t + 1/2) by truncation and a fix-up for negative t: std::floor does not
   // vectorize without -fno-trapping-math, a float->int conversion does.
@@ -119,11 +88,11 @@ LLMPAR_HOST_DEVICE float exp_f32(float x) {
   // 2^n as two normal powers of two (exponent fields 52..202): the first product is
   // exact, the second rounds once (to inf, or to a subnormal or 0, where e^x does).
   const std::int32_t half = ni >> 1;
-  const float scale_lo = bits_as_float(static_cast<std::uint32_t>(half + 127) << 23);
-  const float scale_hi = bits_as_float(static_cast<std::uint32_t>(ni - half + 127) << 23);
+  const float scale_lo = bits::to_float(static_cast<std::uint32_t>(half + 127) << 23);
+  const float scale_hi = bits::to_float(static_cast<std::uint32_t>(ni - half + 127) << 23);
   const float result = p * scale_lo * scale_hi;
   // Setting the quiet-NaN bits turns any finite result into NaN; no branch needed.
-  return bits_as_float(float_as_bits(result) | nan_bits);
+  return bits::to_float(bits::of(result) | nan_bits);
 }
 
 }  // namespace detail

@@ -18,7 +18,7 @@
 #include <cstdint>
 
 #include "llmpar/config.hpp"
-#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/bits.hpp"
 
 namespace llmpar::math {
 
@@ -57,14 +57,14 @@ LLMPAR_HOST_DEVICE float fast_exp(float x) {
   // 2^n from its exponent bits: t's bits are 0x4B400000 + n, so shifting them left by
   // 23 leaves exactly n << 23 (mod 2^32, two's complement), and n + 127 is in
   // [1, 254] inside [kLo, kHi].
-  const std::uint32_t t_bits = ::llmpar::detail::float_bits(t);
-  const float y = p * ::llmpar::detail::bits_float((t_bits << 23) + (127u << 23));
+  const std::uint32_t t_bits = ::llmpar::bits::of(t);
+  const float y = p * ::llmpar::bits::to_float((t_bits << 23) + (127u << 23));
   // The range select works on bits: a float ternary here would stop vectorisation.
   const bool below = x < kLo;  // below and above are both false for NaN: y is NaN
   const bool above = x > kHi;
   const std::uint32_t keep = (below | above) ? 0u : 0xFFFFFFFFu;
   const std::uint32_t inf = above ? 0x7F800000u : 0u;
-  return ::llmpar::detail::bits_float((::llmpar::detail::float_bits(y) & keep) | inf);
+  return ::llmpar::bits::to_float((::llmpar::bits::of(y) & keep) | inf);
 }
 
 LLMPAR_HOST_DEVICE double fast_exp(double x) { return std::exp(x); }
