@@ -21,7 +21,7 @@ struct Options {
   std::string model = "gpt2-tiny";
   std::optional<std::int64_t> layers, heads, dim, seq, vocab;
   std::string data, val_data;
-  std::int64_t steps = 300;
+  std::int64_t steps = 600;
   std::int64_t batch = 16;
   std::int64_t grad_accum = 1;
   float lr = 2e-3f;

@@ -29,7 +29,7 @@ __host__ __device__ std::uint32_t sweep_pattern(std::uint32_t i) { return i * 26
 __global__ void to_half_kernel(const std::uint32_t* patterns, std::uint32_t n, std::uint16_t* bf16_out,
                                std::uint16_t* f16_out) {
   for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const float x = llmpar::detail::bits_float(patterns != nullptr ? patterns[i] : sweep_pattern(i));
+    const float x = llmpar::bits::to_float(patterns != nullptr ? patterns[i] : sweep_pattern(i));
     bf16_out[i] = llmpar::bf16(x).bits;
     f16_out[i] = llmpar::f16(x).bits;
   }
@@ -40,8 +40,8 @@ __global__ void to_float_kernel(std::uint32_t* from_bf16, std::uint32_t* from_f1
   const std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 65536u) return;
   const auto h = static_cast<std::uint16_t>(i);
-  from_bf16[i] = llmpar::detail::float_bits(static_cast<float>(llmpar::bf16::from_bits(h)));
-  from_f16[i] = llmpar::detail::float_bits(static_cast<float>(llmpar::f16::from_bits(h)));
+  from_bf16[i] = llmpar::bits::of(static_cast<float>(llmpar::bf16::from_bits(h)));
+  from_f16[i] = llmpar::bits::of(static_cast<float>(llmpar::f16::from_bits(h)));
 }
 
 bool check_cuda(cudaError_t e, const char* what) {
@@ -70,7 +70,7 @@ int count_mismatches(const char* what, const std::vector<std::uint32_t>& pattern
                      const std::vector<std::uint16_t>& device_bits, std::uint16_t (*host_convert)(float)) {
   int mismatches = 0;
   for (std::size_t i = 0; i < patterns.size(); ++i) {
-    const std::uint16_t host_bits = host_convert(llmpar::detail::bits_float(patterns[i]));
+    const std::uint16_t host_bits = host_convert(llmpar::bits::to_float(patterns[i]));
     if (host_bits != device_bits[i] && ++mismatches <= 5) {
       std::fprintf(stderr, "FAIL: %s of float 0x%08x: device 0x%04x, host 0x%04x\n", what,
                    static_cast<unsigned>(patterns[i]), static_cast<unsigned>(device_bits[i]),
@@ -165,8 +165,8 @@ int main() {
   for (std::uint32_t i = 0; i < 65536u; ++i) {
     const auto h = static_cast<std::uint16_t>(i);
     const std::uint32_t host_bf16 =
-        llmpar::detail::float_bits(static_cast<float>(llmpar::bf16::from_bits(h)));
-    const std::uint32_t host_f16 = llmpar::detail::float_bits(static_cast<float>(llmpar::f16::from_bits(h)));
+        llmpar::bits::of(static_cast<float>(llmpar::bf16::from_bits(h)));
+    const std::uint32_t host_f16 = llmpar::bits::of(static_cast<float>(llmpar::f16::from_bits(h)));
     if (host_bf16 != from_bf16[i] && ++bad <= 5)
       std::fprintf(stderr, "FAIL: bf16 0x%04x to float: device 0x%08x, host 0x%08x\n", i, from_bf16[i],
                    host_bf16);

@@ -7,10 +7,9 @@
 //
 // Why it is not spelled with tanh: 0.5 (1 + tanh(u)) is exactly the logistic function
 // s = 1 / (1 + e), e = e^(-2u), so gelu(x) = x s. One exp is several times cheaper
-// than one tanh, and on the host an exp built from multiplies, adds, conversions and
-// integer bit operations lets a CPU loop over a tensor vectorize (glibc's vector
-// exp/tanh are only declared under -ffast-math, which llmpar does not impose on its
-// users). The derivative reuses s:
+// than one tanh, and math::exp (math/exp.hpp) is branch-free on the host, so a CPU loop
+// over a tensor vectorizes (glibc's vector exp/tanh are only declared under
+// -ffast-math, which llmpar does not impose on its users). The derivative reuses s:
 //   d gelu/dx = s + x * 2 s (1 - s) * sqrt(2/pi) (1 + 3 * 0.044715 x^2),
 // with 1 - s computed as e s, which has no cancellation as s -> 1.
 //
@@ -19,12 +18,12 @@
 // that calls it (see clamp_magnitude).
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "llmpar/config.hpp"
 #include "llmpar/core/bits.hpp"
+#include "llmpar/math/exp.hpp"
 
 namespace llmpar::math {
 
@@ -52,67 +51,6 @@ LLMPAR_HOST_DEVICE double clamp_magnitude(double x, double bound) {
   const std::uint64_t clamped = magnitude < limit ? magnitude : limit;
   return bits::to_double((raw & 0x8000000000000000ull) | clamped);
 }
-
-// e^x in float to about 1 ulp (Cephes' expf polynomial), built from multiplies, adds,
-// conversions and integer operations on the bits, with no branch and no libm call, so
-// that a loop around it vectorizes. Overflows to +inf, underflows through subnormals to 0,
-// and returns NaN for NaN.
-LLMPAR_HOST_DEVICE float exp_f32(float x) {
-  // |x| <= 104 covers all of float's range (e^104 overflows, e^-104 underflows to 0)
-  // and keeps n = round(x / ln 2) in [-150, 150], where 2^n is built without overflow.
-  constexpr float kMaxMagnitude = 104.0f;
-  constexpr float kLog2e = 1.44269504088896341f;
-  // ln 2 split so that n * kLn2Hi is exact for every n in range (Cody-Waite).
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  // Quiet-NaN bits for a NaN x, else 0 (a 32-bit select: a bool would mix element
-  // widths in the loop, which also stops vectorization).
-  const std::uint32_t nan_bits =
-      (bits::of(x) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : 0u;
-  const float xc = clamp_magnitude(x, kMaxMagnitude);
-  // n = floor(t + 1/2) by truncation and a fix-up for negative t: std::floor does not
-  // vectorize without -fno-trapping-math, a float->int conversion does.
-  const float t = xc * kLog2e + 0.5f;
-  const std::int32_t truncated = static_cast<std::int32_t>(t);
-  const std::int32_t ni = truncated - (static_cast<float>(truncated) > t ? 1 : 0);
-  const float n = static_cast<float>(ni);
-  float r = xc - n * kLn2Hi;
-  r = r - n * kLn2Lo;  // |r| <= ln(2)/2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  // 2^n as two normal powers of two (exponent fields 52..202): the first product is
-  // exact, the second rounds once (to inf, or to a subnormal or 0, where e^x does).
-  const std::int32_t half = ni >> 1;
-  const float scale_lo = bits::to_float(static_cast<std::uint32_t>(half + 127) << 23);
-  const float scale_hi = bits::to_float(static_cast<std::uint32_t>(ni - half + 127) << 23);
-  const float result = p * scale_lo * scale_hi;
-  // Setting the quiet-NaN bits turns any finite result into NaN; no branch needed.
-  return bits::to_float(bits::of(result) | nan_bits);
-}
-
-}  // namespace detail
-
-// e^x for float or double: CUDA's expf/exp on the device, the vectorizable polynomial
-// for float on the host, std::exp for double on the host (tests need double accuracy).
-template <class T>
-LLMPAR_HOST_DEVICE T exp(T x) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "llmpar::math::exp computes in float or double; convert bf16/f16 to float first");
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return ::expf(x);
-  else return ::exp(x);
-#else
-  if constexpr (std::is_same_v<T, float>) return detail::exp_f32(x);
-  else return std::exp(x);
-#endif
-}
-
-namespace detail {
 
 template <class T>
 struct GeluParts {

@@ -48,7 +48,7 @@ struct GPT2Config {
   // Named presets: "gpt2-tiny" (byte vocabulary, trains in a minute on a laptop core),
   // "gpt2-124m" (the GPT-2 small of Radford et al.).
   static GPT2Config preset(std::string_view name) {
-    if (name == "gpt2-tiny") return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 128, .vocab = 256, .padded_vocab = 256};
+    if (name == "gpt2-tiny") return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 64, .vocab = 256, .padded_vocab = 256};
     if (name == "gpt2-124m") return {};
     LLMPAR_FAIL("unknown model preset '", name, "'; use gpt2-tiny or gpt2-124m, or give --layers --heads --dim --seq --vocab");
   }

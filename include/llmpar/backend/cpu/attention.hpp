@@ -33,8 +33,9 @@
 // accumulates w[c] * row_c, four rows folded per pass). The backward's dk/dv updates
 // read the tile's p and ds stored transposed, so they are axpy_rows too. hs = 32, 64
 // and 128 are compiled with hs known; other head sizes run the same code with hs at
-// run time. exp is math::fast_exp (vectorisable). kTile = 64: a packed k^T and v tile
-// (2 x 64 x hs floats, 32 KiB at hs = 64) stays in L1/L2 while a tile's rows use it.
+// run time. exp is math::exp (math/exp.hpp: branch-free on the host, so the loops over
+// a row's scores vectorise). kTile = 64: a packed k^T and v tile (2 x 64 x hs floats,
+// 32 KiB at hs = 64) stays in L1/L2 while a tile's rows use it.
 #pragma once
 
 #include <omp.h>
@@ -47,6 +48,7 @@
 #include "llmpar/config.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/math/exp.hpp"
 #include "llmpar/math/online_softmax.hpp"
 
 namespace llmpar::backend::cpu {
@@ -212,7 +214,7 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
       Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (std::int64_t c = 0; c < n; ++c) {
-        s[c] = math::fast_exp(s[c] - m);
+        s[c] = math::exp(s[c] - m);
         sum += s[c];
       }
       st.sum += sum;
@@ -312,7 +314,7 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
         const Acc Di = D[i];
 #pragma omp simd
         for (std::int64_t c = 0; c < n; ++c) {
-          p[c] = math::fast_exp(p[c] - l);
+          p[c] = math::exp(p[c] - l);
           dp[c] = p[c] * (dp[c] - Di) * scale;
         }
         axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);

@@ -9,8 +9,9 @@
 //
 // Why fused and in place: the probabilities are never stored. A row's statistics
 // come from one streaming read (a math::OnlineSoftmax over L1-sized chunks: a
-// vectorised max, then a vectorised sum of math::fast_exp relative to it, merged
-// with `combine`); the second read writes dlogits over the logits, which are dead
+// vectorised max, then a vectorised sum of math::exp relative to it, merged with
+// `combine`; math/exp.hpp says why that exp vectorises and where it under- and
+// overflows); the second read writes dlogits over the logits, which are dead
 // after the loss. That is two passes over a (rows, Vp) tensor, the minimum, and no
 // (rows, V) workspace. The CUDA kernel does the same with one block per row, and a
 // vocabulary-parallel loss combines per-rank OnlineSoftmax states in rank order.
@@ -26,6 +27,7 @@
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/config.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/math/exp.hpp"
 #include "llmpar/math/online_softmax.hpp"
 
 namespace llmpar::backend::cpu {
@@ -50,8 +52,7 @@ math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t
     if (m == Acc(-INFINITY)) continue;  // only -inf logits: contributes nothing
     Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t i = 0; i < len; ++i)
-      sum += math::fast_exp(static_cast<Acc>(xc[i]) * inv_temperature - m);
+    for (std::int64_t i = 0; i < len; ++i) sum += math::exp(static_cast<Acc>(xc[i]) * inv_temperature - m);
     // A NaN logit is invisible to the max but makes the sum NaN: the loss reports it.
     total.combine(math::OnlineSoftmax<Acc>{m, sum});
   }
@@ -91,9 +92,8 @@ void cross_entropy_forward_backward(T* LLMPAR_RESTRICT logits, acc_t<T>* LLMPAR_
     const Acc target_logit = static_cast<Acc>(x[target]);
     losses[r] = lse - target_logit;
 #pragma omp simd
-    for (std::int64_t i = 0; i < V; ++i)
-      x[i] = static_cast<T>(dloss * math::fast_exp(static_cast<Acc>(x[i]) - lse));
-    x[target] = static_cast<T>(dloss * (math::fast_exp(target_logit - lse) - Acc(1)));
+    for (std::int64_t i = 0; i < V; ++i) x[i] = static_cast<T>(dloss * math::exp(static_cast<Acc>(x[i]) - lse));
+    x[target] = static_cast<T>(dloss * (math::exp(target_logit - lse) - Acc(1)));
     std::fill(x + V, x + Vp, static_cast<T>(0.0f));
   }
 }
@@ -125,8 +125,7 @@ void softmax_forward(acc_t<T>* LLMPAR_RESTRICT probs, const T* LLMPAR_RESTRICT l
   const Acc inv_temperature = Acc(1) / temperature;
   const Acc lse = detail::xent::row_stats(logits, V, inv_temperature).log_sum_exp();
 #pragma omp simd
-  for (std::int64_t i = 0; i < V; ++i)
-    probs[i] = math::fast_exp(static_cast<Acc>(logits[i]) * inv_temperature - lse);
+  for (std::int64_t i = 0; i < V; ++i) probs[i] = math::exp(static_cast<Acc>(logits[i]) * inv_temperature - lse);
 }
 
 }  // namespace llmpar::backend::cpu
