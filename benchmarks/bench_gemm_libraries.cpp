@@ -61,9 +61,7 @@ struct Gemm {
 
   std::int64_t lda() const { return trans_a ? m : k; }
   std::int64_t ldb() const { return trans_b ? k : n; }
-  double flops() const {
-    return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  }
+  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
 };
 
 struct Linear {
@@ -73,11 +71,8 @@ struct Linear {
 
 // GPT-2 124M (C = 768, 4C MLP, vocabulary padded to 50304) at B*T = 256 tokens.
 std::vector<Gemm> gpt2_step_gemms(std::int64_t tokens) {
-  const Linear layers[] = {{"qkv", 768, 2304},
-                           {"attn_proj", 768, 768},
-                           {"fc", 768, 3072},
-                           {"fc_proj", 3072, 768},
-                           {"lm_head", 768, 50304}};
+  const Linear layers[] = {
+      {"qkv", 768, 2304}, {"attn_proj", 768, 768}, {"fc", 768, 3072}, {"fc_proj", 3072, 768}, {"lm_head", 768, 50304}};
   std::vector<Gemm> gemms;
   for (const Linear& l : layers) {
     gemms.push_back({std::string(l.name) + "_fwd", tokens, l.out, l.in, false, true, 0.0f});
@@ -126,8 +121,7 @@ struct Operands {
   static void fill(float* x, std::int64_t count, const char* name) {
     const auto stream = llmpar::rng::Stream::named(42, name);
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < count; ++i)
-      x[i] = 2.0f * stream.uniform(static_cast<std::uint64_t>(i)) - 1.0f;
+    for (std::int64_t i = 0; i < count; ++i) x[i] = 2.0f * stream.uniform(static_cast<std::uint64_t>(i)) - 1.0f;
   }
   void make_bf16() {
     if (a_bf16) return;
@@ -160,8 +154,7 @@ struct OneDnn {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
 
-  static dnnl::memory::desc desc(std::int64_t rows, std::int64_t cols, bool transposed,
-                                 dnnl::memory::data_type t) {
+  static dnnl::memory::desc desc(std::int64_t rows, std::int64_t cols, bool transposed, dnnl::memory::data_type t) {
     // A logical [rows, cols] matrix stored row-major, or stored [cols, rows] when transposed.
     const dnnl::memory::dims strides = transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
     return dnnl::memory::desc({rows, cols}, t, strides);
@@ -225,10 +218,9 @@ std::vector<Library> libraries() {
                     impl = "cblas_sgemm";
                     return [g, a = o.a.get(), b = o.b.get(), c = o.c.get()] {
                       cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans,
-                                  g.trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(g.m),
-                                  static_cast<int>(g.n), static_cast<int>(g.k), 1.0f, a,
-                                  static_cast<int>(g.lda()), b, static_cast<int>(g.ldb()), g.beta, c,
-                                  static_cast<int>(g.n));
+                                  g.trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(g.m), static_cast<int>(g.n),
+                                  static_cast<int>(g.k), 1.0f, a, static_cast<int>(g.lda()), b,
+                                  static_cast<int>(g.ldb()), g.beta, c, static_cast<int>(g.n));
                     };
                   }});
 #endif
@@ -240,8 +232,8 @@ std::vector<Library> libraries() {
                       float alpha = 1.0f, beta = g.beta;
                       const inc_t rsa = g.trans_a ? 1 : g.k, csa = g.trans_a ? g.m : 1;
                       const inc_t rsb = g.trans_b ? 1 : g.n, csb = g.trans_b ? g.k : 1;
-                      bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, g.m, g.n, g.k, &alpha, a, rsa, csa, b,
-                                rsb, csb, &beta, c, g.n, 1);
+                      bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, g.m, g.n, g.k, &alpha, a, rsa, csa, b, rsb, csb,
+                                &beta, c, g.n, 1);
                     };
                   }});
 #endif
@@ -372,11 +364,11 @@ void describe_libraries() {
 #endif
 #if LLMPAR_BENCH_BLIS
   bli_thread_set_num_threads(threads);
-  benchmark::AddCustomContext(
-      "blis", std::string(bli_info_get_version_str()) + ", " + bli_arch_string(bli_arch_query_id()) +
-                  " kernels, " + (bli_info_get_enable_openmp() ? "OpenMP" : "no OpenMP") + " build, " +
-                  std::to_string(bli_thread_get_num_threads()) + " threads (" +
-                  library_of(reinterpret_cast<void*>(&bli_sgemm)) + ")");
+  benchmark::AddCustomContext("blis", std::string(bli_info_get_version_str()) + ", " +
+                                          bli_arch_string(bli_arch_query_id()) + " kernels, " +
+                                          (bli_info_get_enable_openmp() ? "OpenMP" : "no OpenMP") + " build, " +
+                                          std::to_string(bli_thread_get_num_threads()) + " threads (" +
+                                          library_of(reinterpret_cast<void*>(&bli_sgemm)) + ")");
 #endif
 }
 
@@ -395,11 +387,7 @@ int main(int argc, char** argv) {
   }
 
 #if defined(__AVX__) && defined(__FMA__)
-  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)
-      ->Arg(1)
-      ->Arg(0)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)->Arg(1)->Arg(0)->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
 
   // Shape by shape, every library in turn (they share one shape's operands).
@@ -407,18 +395,17 @@ int main(int argc, char** argv) {
     for (const Library& lib : libs) {
       const std::string name = "gemm/" + g.name + "/" + lib.name + "/m:" + std::to_string(g.m) +
                                "/n:" + std::to_string(g.n) + "/k:" + std::to_string(g.k);
-      benchmark::RegisterBenchmark(
-          name.c_str(),
-          [g, lib](benchmark::State& state) {
-            Operands& ops = operands_for(g);
-            std::string impl;
-            const Runner run = lib.make(g, ops, impl);
-            run();  // first call: one-time setup inside the library (packing buffers, JIT)
-            for (auto _ : state) run();
-            state.counters["GFLOPS"] =
-                benchmark::Counter(g.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-            state.SetLabel(impl);
-          })
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [g, lib](benchmark::State& state) {
+                                     Operands& ops = operands_for(g);
+                                     std::string impl;
+                                     const Runner run = lib.make(g, ops, impl);
+                                     run();  // first call: one-time setup inside the library (packing buffers, JIT)
+                                     for (auto _ : state) run();
+                                     state.counters["GFLOPS"] = benchmark::Counter(
+                                         g.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+                                     state.SetLabel(impl);
+                                   })
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
     }

@@ -4,6 +4,7 @@
 // library, same run); memory-bound kernels report GB/s of the bytes they must move.
 #include <benchmark/benchmark.h>
 
+#include <cstdio>
 #include <llmpar/backend/cpu/adamw.hpp>
 #include <llmpar/backend/cpu/attention.hpp>
 #include <llmpar/backend/cpu/cross_entropy.hpp>
@@ -12,8 +13,6 @@
 #include <llmpar/backend/cpu/layernorm.hpp>
 #include <llmpar/core/rng.hpp>
 #include <llmpar/core/tensor.hpp>
-
-#include <cstdio>
 #include <string>
 
 using namespace llmpar;
@@ -41,21 +40,31 @@ struct GemmShape {
 void register_gemms(double peak) {
   // M = B·T = 256 rows of a GPT-2 124M step; forward, input-gradient and weight-gradient forms.
   static constexpr GemmShape kShapes[] = {
-      {"qkv/fwd", 256, 2304, 768, {false, true, false}},     {"qkv/dx", 256, 768, 2304, {}},
-      {"qkv/dw", 2304, 768, 256, {true, false, true}},       {"attn_proj/fwd", 256, 768, 768, {false, true, false}},
-      {"fc/fwd", 256, 3072, 768, {false, true, false}},      {"fc_proj/fwd", 256, 768, 3072, {false, true, false}},
-      {"fc_proj/dw", 768, 3072, 256, {true, false, true}},   {"lm_head/fwd", 256, 50304, 768, {false, true, false}},
-      {"lm_head/dx", 256, 768, 50304, {}},                   {"lm_head/dw", 50304, 768, 256, {true, false, true}},
+      {"qkv/fwd", 256, 2304, 768, {false, true, false}},
+      {"qkv/dx", 256, 768, 2304, {}},
+      {"qkv/dw", 2304, 768, 256, {true, false, true}},
+      {"attn_proj/fwd", 256, 768, 768, {false, true, false}},
+      {"fc/fwd", 256, 3072, 768, {false, true, false}},
+      {"fc_proj/fwd", 256, 768, 3072, {false, true, false}},
+      {"fc_proj/dw", 768, 3072, 256, {true, false, true}},
+      {"lm_head/fwd", 256, 50304, 768, {false, true, false}},
+      {"lm_head/dx", 256, 768, 50304, {}},
+      {"lm_head/dw", 50304, 768, 256, {true, false, true}},
   };
   for (const GemmShape& s : kShapes) {
-    benchmark::RegisterBenchmark((std::string("gemm/") + s.name).c_str(), [s, peak](benchmark::State& state) {
-      cpu::Context ctx;
-      auto a = random_buffer(s.m * s.k, 1), b = random_buffer(s.k * s.n, 2), c = random_buffer(s.m * s.n, 3);
-      for (auto _ : state) ctx.sgemm(c.data(), a.data(), b.data(), nullptr, s.m, s.n, s.k, s.op);
-      const double flops = 2.0 * static_cast<double>(s.m * s.n * s.k);
-      state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-      state.counters["of_peak"] = benchmark::Counter(flops / (peak * 1e9), benchmark::Counter::kIsIterationInvariantRate);
-    })->Unit(benchmark::kMillisecond)->UseRealTime();
+    benchmark::RegisterBenchmark(
+        (std::string("gemm/") + s.name).c_str(),
+        [s, peak](benchmark::State& state) {
+          cpu::Context ctx;
+          auto a = random_buffer(s.m * s.k, 1), b = random_buffer(s.k * s.n, 2), c = random_buffer(s.m * s.n, 3);
+          for (auto _ : state) ctx.sgemm(c.data(), a.data(), b.data(), nullptr, s.m, s.n, s.k, s.op);
+          const double flops = 2.0 * static_cast<double>(s.m * s.n * s.k);
+          state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+          state.counters["of_peak"] =
+              benchmark::Counter(flops / (peak * 1e9), benchmark::Counter::kIsIterationInvariantRate);
+        })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
 }
 
@@ -89,18 +98,21 @@ void layernorm_forward(benchmark::State& state) {
   const std::int64_t rows = state.range(0), C = 768;
   auto x = random_buffer(rows * C, 6), w = random_buffer(C, 7), b = random_buffer(C, 8);
   Buffer<float> out(rows * C), mean(rows), rstd(rows);
-  for (auto _ : state) cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), rows, C);
+  for (auto _ : state)
+    cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), rows, C);
   bytes_rate(state, 2.0 * 4.0 * static_cast<double>(rows * C));
 }
 BENCHMARK(layernorm_forward)->Arg(256)->Arg(4096)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 void layernorm_backward(benchmark::State& state) {
   const std::int64_t rows = state.range(0), C = 768;
-  auto x = random_buffer(rows * C, 6), w = random_buffer(C, 7), b = random_buffer(C, 8), dout = random_buffer(rows * C, 9);
+  auto x = random_buffer(rows * C, 6), w = random_buffer(C, 7), b = random_buffer(C, 8),
+       dout = random_buffer(rows * C, 9);
   Buffer<float> out(rows * C), mean(rows), rstd(rows), dx(rows * C), dw(C), db(C);
   cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), rows, C);
   for (auto _ : state)
-    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(), rows, C);
+    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                            rows, C);
   bytes_rate(state, 3.0 * 4.0 * static_cast<double>(rows * C));
 }
 BENCHMARK(layernorm_backward)->Arg(256)->Arg(4096)->Unit(benchmark::kMicrosecond)->UseRealTime();

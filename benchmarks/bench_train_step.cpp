@@ -7,10 +7,9 @@
 // benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
 #include <benchmark/benchmark.h>
 
-#include <llmpar/llmpar.hpp>
-
 #include <chrono>
 #include <cstdio>
+#include <llmpar/llmpar.hpp>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,7 +76,10 @@ void register_all(double peak_gflops) {
       set_counters(state, seconds, f.flops_per_step(), static_cast<double>(f.batch * f.seq), peak_gflops);
     };
     benchmark::RegisterBenchmark(with_optimizer ? "gpt2_124m/train_step" : "gpt2_124m/forward_backward", run)
-        ->Args({4, 64})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(6);
+        ->Args({4, 64})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->Iterations(6);
   }
 
   // The optimizer alone: gradient norm, then AdamW over every parameter.
@@ -88,8 +90,11 @@ void register_all(double peak_gflops) {
     state.counters["GB/s"] = benchmark::Counter(8.0 * 4.0 * static_cast<double>(f.model->num_parameters()) * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
   };
-  benchmark::RegisterBenchmark("gpt2_124m/optimizer", adamw)->Args({4, 64})->Unit(benchmark::kMillisecond)
-      ->UseRealTime()->Iterations(6);
+  benchmark::RegisterBenchmark("gpt2_124m/optimizer", adamw)
+      ->Args({4, 64})
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->Iterations(6);
 }
 
 }  // namespace

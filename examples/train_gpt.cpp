@@ -5,11 +5,9 @@
 //   train_gpt                                  # gpt2-tiny on fortunes, about a minute
 //   train_gpt --model gpt2-124m --data 'data/fineweb_train_*.bin' --batch 4 --seq 64
 #include <CLI/CLI.hpp>
-
-#include <llmpar/llmpar.hpp>
-
 #include <cstdio>
 #include <exception>
+#include <llmpar/llmpar.hpp>
 #include <optional>
 #include <string>
 
@@ -94,19 +92,32 @@ int run(const Options& o) {
   const double peak = o.peak_gflops > 0.0 ? o.peak_gflops : backend::cpu::measure_sgemm_peak_gflops(ctx);
   std::printf("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
               static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
-              static_cast<long long>(seq), static_cast<long long>(cfg.vocab),
-              static_cast<long long>(cfg.padded_vocab), static_cast<double>(model.num_parameters()) * 1e-6);
-  std::printf("train: %lld steps, batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
-              "MFU against measured sgemm peak %.1f GFLOP/s\n",
-              static_cast<long long>(o.steps), static_cast<long long>(o.batch), static_cast<long long>(seq),
-              static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(warmup), peak);
+              static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
+              static_cast<double>(model.num_parameters()) * 1e-6);
+  std::printf(
+      "train: %lld steps, batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
+      "MFU against measured sgemm peak %.1f GFLOP/s\n",
+      static_cast<long long>(o.steps), static_cast<long long>(o.batch), static_cast<long long>(seq),
+      static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(warmup), peak);
 
   train::MetricsWriter metrics(o.metrics);
-  metrics.write({{"type", "config"}, {"model", o.model}, {"layers", cfg.layers}, {"heads", cfg.heads},
-                 {"dim", cfg.dim}, {"seq", seq}, {"vocab", cfg.vocab}, {"padded_vocab", cfg.padded_vocab},
-                 {"parameters", model.num_parameters()}, {"batch", o.batch}, {"grad_accum", o.grad_accum},
-                 {"steps", o.steps}, {"lr", o.lr}, {"warmup", warmup}, {"seed", o.seed},
-                 {"precision", o.precision}, {"peak_gflops", peak}});
+  metrics.write({{"type", "config"},
+                 {"model", o.model},
+                 {"layers", cfg.layers},
+                 {"heads", cfg.heads},
+                 {"dim", cfg.dim},
+                 {"seq", seq},
+                 {"vocab", cfg.vocab},
+                 {"padded_vocab", cfg.padded_vocab},
+                 {"parameters", model.num_parameters()},
+                 {"batch", o.batch},
+                 {"grad_accum", o.grad_accum},
+                 {"steps", o.steps},
+                 {"lr", o.lr},
+                 {"warmup", warmup},
+                 {"seed", o.seed},
+                 {"precision", o.precision},
+                 {"peak_gflops", peak}});
 
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
@@ -129,13 +140,14 @@ int run(const Options& o) {
   });
 
   if (o.sample_tokens > 0) {
-    LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256, "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
+    LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256,
+                 "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
                  "for models whose data used another tokenizer");
     const data::ByteTokenizer tok;
     std::vector<std::int32_t> prompt;
     for (std::uint16_t t : tok.encode(o.prompt)) prompt.push_back(t);
-    const auto out = train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature,
-                                                        .seed = o.seed});
+    const auto out =
+        train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature, .seed = o.seed});
     std::vector<std::uint16_t> ids(out.begin(), out.end());
     std::printf("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature),
                 tok.decode(ids).c_str());
@@ -167,7 +179,9 @@ int main(int argc, char** argv) {
   app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "Visit training windows in a seeded random order (default on)");
   app.add_option("--eval-every", o.eval_every, "Validate every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "Batches per validation")->capture_default_str();
-  app.add_option("--precision", o.precision, "Numeric precision")->check(CLI::IsMember({"fp32"}))->capture_default_str();
+  app.add_option("--precision", o.precision, "Numeric precision")
+      ->check(CLI::IsMember({"fp32"}))
+      ->capture_default_str();
   app.add_option("--metrics", o.metrics, "Write JSON lines of config, steps and evals to this file");
   app.add_option("--sample-tokens", o.sample_tokens, "Tokens to sample at the end (0: none)")->capture_default_str();
   app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();

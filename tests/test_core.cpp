@@ -50,13 +50,13 @@ TEST_CASE("f16 rounds to nearest even with subnormals, overflow and NaN") {
   CHECK(f16(-2.0f).bits == 0xC000);
   CHECK(f16(65504.0f).bits == 0x7BFF);
   CHECK(f16(65519.0f).bits == 0x7BFF);
-  CHECK(f16(65520.0f).bits == 0x7C00);  // halfway to 65536 ties to infinity (odd mantissa)
+  CHECK(f16(65520.0f).bits == 0x7C00);               // halfway to 65536 ties to infinity (odd mantissa)
   CHECK(f16(std::ldexp(1.0f, -14)).bits == 0x0400);  // smallest normal
   CHECK(f16(std::ldexp(1.0f, -24)).bits == 0x0001);  // smallest subnormal
   CHECK(f16(std::ldexp(1.0f, -25)).bits == 0x0000);  // halfway to zero: ties to even
   CHECK(f16(std::ldexp(1.5f, -25)).bits == 0x0001);
-  CHECK(f16(std::ldexp(3.0f, -25)).bits == 0x0002);  // 1.5 units: ties to even (2)
-  CHECK(f16(std::ldexp(5.0f, -25)).bits == 0x0002);  // 2.5 units: ties to even (2)
+  CHECK(f16(std::ldexp(3.0f, -25)).bits == 0x0002);             // 1.5 units: ties to even (2)
+  CHECK(f16(std::ldexp(5.0f, -25)).bits == 0x0002);             // 2.5 units: ties to even (2)
   CHECK(f16(1.0f + std::ldexp(1.0f, -11)).bits == 0x3C00);      // halfway: even
   CHECK(f16(1.0f + 3 * std::ldexp(1.0f, -11)).bits == 0x3C02);  // halfway: even (up)
   CHECK(f16(-std::numeric_limits<float>::infinity()).bits == 0xFC00);
@@ -85,7 +85,8 @@ TEST_CASE("Philox matches the Random123 known-answer vectors") {
   CHECK(zero[1] == 0xe169c58du);
   CHECK(zero[2] == 0xbc57ac4cu);
   CHECK(zero[3] == 0x9b00dbd8u);
-  const rng::Counter ones = rng::philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu});
+  const rng::Counter ones =
+      rng::philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu});
   CHECK(ones[0] == 0x408f276du);
   CHECK(ones[1] == 0x41c83b0eu);
   CHECK(ones[2] == 0xa20bc7c6u);

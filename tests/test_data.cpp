@@ -345,10 +345,10 @@ TEST_CASE("a restored loader state resumes exactly where it was saved") {
   CHECK(b.state() == saved);
   CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
   CHECK(error_of([&] { b.restore({.shard = 0, .window = 16, .epoch = 0}); }).find("window 16") != std::string::npos);
-  CHECK(error_of([&] { b.restore({.shard = 1, .window = 0, .epoch = 0}); }).find("names shard 1") !=
-        std::string::npos);
-  CHECK(error_of([&] { b.restore({.shard = 0, .window = 0, .epoch = 0, .window_tokens = 12}); })
-            .find("saved with windows of 12 tokens (world*B*T) but this loader reads 6") != std::string::npos);
+  CHECK(error_of([&] { b.restore({.shard = 1, .window = 0, .epoch = 0}); }).find("names shard 1") != std::string::npos);
+  CHECK(error_of([&] {
+          b.restore({.shard = 0, .window = 0, .epoch = 0, .window_tokens = 12});
+        }).find("saved with windows of 12 tokens (world*B*T) but this loader reads 6") != std::string::npos);
 }
 
 TEST_CASE("a shuffled epoch visits every window once, in an order fixed by (seed, epoch)") {

@@ -189,7 +189,8 @@ TEST_CASE("gemm through oneDNN matches the reference for every transpose and acc
         Buffer<float> a(m * k), b(k * n), bias(n), c(m * n), ref(m * n);
         const auto s = rng::Stream::named(1, "gemm");
         for (std::int64_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(s.normal(static_cast<std::uint64_t>(i)));
-        for (std::int64_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(s.normal(static_cast<std::uint64_t>(1000 + i)));
+        for (std::int64_t i = 0; i < b.size(); ++i)
+          b[i] = static_cast<float>(s.normal(static_cast<std::uint64_t>(1000 + i)));
         for (std::int64_t i = 0; i < n; ++i) bias[i] = static_cast<float>(i);
         for (std::int64_t i = 0; i < m * n; ++i) c[i] = ref[i] = 0.5f * static_cast<float>(i % 5);
         const backend::cpu::GemmOp op{ta, tb, acc};
@@ -216,7 +217,8 @@ TEST_CASE("the model learns to copy: attention carries tokens across positions")
     for (std::int64_t b = 0; b < B; ++b) {
       std::int32_t seq[32];
       for (int i = 0; i < 16; ++i)
-        seq[i] = seq[16 + i] = static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(step * 1000 + b * 32 + i))[0] % 16);
+        seq[i] = seq[16 + i] =
+            static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(step * 1000 + b * 32 + i))[0] % 16);
       for (std::int64_t t = 0; t < S; ++t) {
         tokens[static_cast<std::size_t>(b * S + t)] = seq[t];
         targets[static_cast<std::size_t>(b * S + t)] = seq[t + 1];

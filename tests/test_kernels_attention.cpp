@@ -97,12 +97,8 @@ void attention_reference(std::vector<double>& out, std::vector<double>& lse, con
   for (std::int64_t b = 0; b < s.B; ++b) {
     for (std::int64_t h = 0; h < s.NH; ++h) {
       auto q = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + h * hs + d]; };
-      auto k = [&](std::int64_t t, std::int64_t d) {
-        return qkv[(b * s.T + t) * 3 * s.C + s.C + h * hs + d];
-      };
-      auto v = [&](std::int64_t t, std::int64_t d) {
-        return qkv[(b * s.T + t) * 3 * s.C + 2 * s.C + h * hs + d];
-      };
+      auto k = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + s.C + h * hs + d]; };
+      auto v = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + 2 * s.C + h * hs + d]; };
       for (std::int64_t t = 0; t < s.T; ++t) {
         double m = -INFINITY;
         for (std::int64_t j = 0; j <= t; ++j) {
@@ -133,8 +129,7 @@ void run_attention_forward(std::vector<T>& out, std::vector<cpu::acc_t<T>>& lse,
 }
 
 template <class T>
-std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vector<T>& qkv,
-                                      const AttnShape& s) {
+std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vector<T>& qkv, const AttnShape& s) {
   std::vector<T> out;
   std::vector<cpu::acc_t<T>> lse;
   run_attention_forward(out, lse, qkv, s);
@@ -175,8 +170,7 @@ TEST_CASE_TEMPLATE("OnlineSoftmax combine of any split equals pushing the whole 
     // 1..8 cut points at random positions (empty parts allowed), combined left to right.
     const int parts = 1 + static_cast<int>(cuts.uniform(trial * 16) * 8);
     std::vector<std::size_t> at{0, x.size()};
-    for (int p = 0; p < parts; ++p)
-      at.push_back(static_cast<std::size_t>(cuts.uniform(trial * 16 + 1 + p) * x.size()));
+    for (int p = 0; p < parts; ++p) at.push_back(static_cast<std::size_t>(cuts.uniform(trial * 16 + 1 + p) * x.size()));
     std::sort(at.begin(), at.end());
     math::OnlineSoftmax<Acc> combined;
     for (std::size_t p = 0; p + 1 < at.size(); ++p) {
@@ -257,8 +251,7 @@ TEST_CASE("attention_forward of one token copies its value row") {
     for (std::int64_t h = 0; h < s.NH; ++h) {
       // lse of a single score is the score itself.
       double dot = 0;
-      for (std::int64_t d = 0; d < 8; ++d)
-        dot += qkv[b * 3 * s.C + h * 8 + d] * qkv[b * 3 * s.C + s.C + h * 8 + d];
+      for (std::int64_t d = 0; d < 8; ++d) dot += qkv[b * 3 * s.C + h * 8 + d] * qkv[b * 3 * s.C + s.C + h * 8 + d];
       CHECK(lse[b * s.NH + h] == doctest::Approx(dot / std::sqrt(8.0)).epsilon(1e-6));
     }
 }
@@ -312,8 +305,7 @@ TEST_CASE("attention_backward in float matches the double backward on the same i
   for (const AttnShape& s : shapes) {
     CAPTURE(s.T);
     CAPTURE(s.C);
-    const std::vector<float> qkv =
-        cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.fb.qkv", 1.5));
+    const std::vector<float> qkv = cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.fb.qkv", 1.5));
     const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "attention.fb.dout"));
     const std::vector<double> ref = run_attention_backward(to_double(dout), to_double(qkv), s);
     const std::vector<double> got = to_double(run_attention_backward(dout, qkv, s));
@@ -370,9 +362,8 @@ TEST_CASE("attention rejects a head count that does not divide the channels") {
 namespace {
 
 // losses[r] = logsumexp(x[r, 0:V]) - x[r, t_r], in double.
-std::vector<double> cross_entropy_reference(const std::vector<double>& logits,
-                                            const std::vector<std::int32_t>& targets, std::int64_t rows,
-                                            std::int64_t V, std::int64_t Vp) {
+std::vector<double> cross_entropy_reference(const std::vector<double>& logits, const std::vector<std::int32_t>& targets,
+                                            std::int64_t rows, std::int64_t V, std::int64_t Vp) {
   std::vector<double> losses(static_cast<std::size_t>(rows));
   for (std::int64_t r = 0; r < rows; ++r) {
     double m = -INFINITY;
@@ -406,8 +397,7 @@ const VocabShape kVocabShapes[] = {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("cross_entropy_forward and the fused kernel's losses match a double reference", T, float,
-                   double) {
+TEST_CASE_TEMPLATE("cross_entropy_forward and the fused kernel's losses match a double reference", T, float, double) {
   for (const VocabShape& s : kVocabShapes) {
     CAPTURE(s.V);
     std::vector<T> logits = cast_to<T>(random_normal(s.rows * s.Vp, "xent.logits", 3.0));
@@ -489,10 +479,9 @@ TEST_CASE("cross_entropy names the row, the token and the vocabulary of an out-o
   std::vector<std::int32_t> targets = random_targets(rows, V, "xent.bad.targets");
   std::vector<float> losses(rows, 0.0f);
   targets[5] = 300;
-  CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward_backward(logits.data(), losses.data(), targets.data(), rows,
-                                                           V, Vp, 1.0f / rows),
-                       doctest::Contains("target token 300 at row 5 is outside the vocabulary [0, 256)"),
-                       llmpar::Error);
+  CHECK_THROWS_WITH_AS(
+      cpu::cross_entropy_forward_backward(logits.data(), losses.data(), targets.data(), rows, V, Vp, 1.0f / rows),
+      doctest::Contains("target token 300 at row 5 is outside the vocabulary [0, 256)"), llmpar::Error);
   CHECK(bitwise_equal(logits, before));  // validated before anything was written
   CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, V, Vp),
                        doctest::Contains("target token 300 at row 5 is outside the vocabulary [0, 256)"),
@@ -500,11 +489,9 @@ TEST_CASE("cross_entropy names the row, the token and the vocabulary of an out-o
   targets[5] = 0;
   targets[2] = -1;
   CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, V, Vp),
-                       doctest::Contains("target token -1 at row 2 is outside the vocabulary [0, 256)"),
-                       llmpar::Error);
-  CHECK_THROWS_WITH_AS(
-      cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, 300, 256),
-      doctest::Contains("V = 300, Vp = 256"), llmpar::Error);
+                       doctest::Contains("target token -1 at row 2 is outside the vocabulary [0, 256)"), llmpar::Error);
+  CHECK_THROWS_WITH_AS(cpu::cross_entropy_forward(losses.data(), logits.data(), targets.data(), rows, 300, 256),
+                       doctest::Contains("V = 300, Vp = 256"), llmpar::Error);
 }
 
 TEST_CASE("cross_entropy results are bitwise identical for 1, 2 and 3 threads") {
@@ -516,8 +503,8 @@ TEST_CASE("cross_entropy results are bitwise identical for 1, 2 and 3 threads") 
     with_threads(n, [&] {
       grads[n - 1] = logits;
       losses[n - 1].assign(rows, 0.0f);
-      cpu::cross_entropy_forward_backward(grads[n - 1].data(), losses[n - 1].data(), targets.data(), rows, V,
-                                          Vp, 1.0f / rows);
+      cpu::cross_entropy_forward_backward(grads[n - 1].data(), losses[n - 1].data(), targets.data(), rows, V, Vp,
+                                          1.0f / rows);
     });
   }
   CHECK(bitwise_equal(grads[0], grads[1]));
@@ -552,6 +539,6 @@ TEST_CASE("softmax_forward with a temperature matches the reference and sums to 
     CHECK(total_f == doctest::Approx(1.0).epsilon(1e-5));
   }
   std::vector<float> p(4), l(4, 0.0f);
-  CHECK_THROWS_WITH_AS(cpu::softmax_forward(p.data(), l.data(), 4, 0.0f),
-                       doctest::Contains("temperature = 0"), llmpar::Error);
+  CHECK_THROWS_WITH_AS(cpu::softmax_forward(p.data(), l.data(), 4, 0.0f), doctest::Contains("temperature = 0"),
+                       llmpar::Error);
 }

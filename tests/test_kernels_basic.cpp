@@ -45,8 +45,7 @@ constexpr double kFdTolerance = 1e-6;
 // LayerNorm's eps as the kernels receive it (a float).
 constexpr double kEps = static_cast<double>(1e-5f);
 
-std::vector<double> random_normal(std::int64_t n, const std::string& name, double stddev = 1.0,
-                                  double mean = 0.0) {
+std::vector<double> random_normal(std::int64_t n, const std::string& name, double stddev = 1.0, double mean = 0.0) {
   const auto stream = rng::Stream::named(kSeed, name);
   std::vector<double> v(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) v[i] = mean + stddev * stream.normal(static_cast<std::uint64_t>(i));
@@ -68,8 +67,10 @@ template <class T>
 std::vector<T> cast_to(const std::vector<double>& v) {
   std::vector<T> out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (std::is_same_v<T, double>) out[i] = v[i];
-    else out[i] = static_cast<T>(static_cast<float>(v[i]));
+    if constexpr (std::is_same_v<T, double>)
+      out[i] = v[i];
+    else
+      out[i] = static_cast<T>(static_cast<float>(v[i]));
   }
   return out;
 }
@@ -78,8 +79,10 @@ template <class T>
 std::vector<double> to_double(const std::vector<T>& v) {
   std::vector<double> out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (std::is_same_v<T, double>) out[i] = v[i];
-    else out[i] = static_cast<double>(static_cast<float>(v[i]));
+    if constexpr (std::is_same_v<T, double>)
+      out[i] = v[i];
+    else
+      out[i] = static_cast<double>(static_cast<float>(v[i]));
   }
   return out;
 }
@@ -142,8 +145,8 @@ void with_threads(int n, F&& f) {
 // Naive references, in double.
 
 void layernorm_reference(std::vector<double>& out, std::vector<double>& mean, std::vector<double>& rstd,
-                         const std::vector<double>& x, const std::vector<double>& w,
-                         const std::vector<double>& b, std::int64_t rows, std::int64_t C, double eps) {
+                         const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b,
+                         std::int64_t rows, std::int64_t C, double eps) {
   out.assign(static_cast<std::size_t>(rows * C), 0.0);
   mean.assign(static_cast<std::size_t>(rows), 0.0);
   rstd.assign(static_cast<std::size_t>(rows), 0.0);
@@ -298,8 +301,8 @@ TEST_CASE("math::Welford combine equals pushing everything, for any split includ
   const std::vector<double> x = random_normal(300, "welford.combine", 0.5, 7.0);
   math::Welford<double> all;
   for (double v : x) all.push(v);
-  for (std::size_t split : {std::size_t{0}, std::size_t{1}, std::size_t{37}, std::size_t{150}, std::size_t{299},
-                            std::size_t{300}}) {
+  for (std::size_t split :
+       {std::size_t{0}, std::size_t{1}, std::size_t{37}, std::size_t{150}, std::size_t{299}, std::size_t{300}}) {
     math::Welford<double> left, right;
     for (std::size_t i = 0; i < split; ++i) left.push(x[i]);
     for (std::size_t i = split; i < x.size(); ++i) right.push(x[i]);
@@ -353,21 +356,21 @@ TEST_CASE("math::adamw_step follows PyTorch AdamW with decoupled weight decay") 
   // Weight decay alone (zero gradient, zero moments) shrinks p by lr * wd * p.
   double p2 = 2.0, m2 = 0.0, v2 = 0.0;
   math::adamw_step(p2, m2, v2, 0.0, hp, c.first, c.second);
-  CHECK(p2 == doctest::Approx(2.0 - static_cast<double>(hp.lr) * static_cast<double>(hp.weight_decay) * 2.0)
-                  .epsilon(1e-14));
+  CHECK(p2 ==
+        doctest::Approx(2.0 - static_cast<double>(hp.lr) * static_cast<double>(hp.weight_decay) * 2.0).epsilon(1e-14));
 }
 
 TEST_CASE("math AdamW hyper-parameters and steps are validated with messages naming the field") {
   CHECK_NOTHROW(math::validate(math::AdamWParams{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}));
   CHECK_NOTHROW(math::validate(math::AdamWParams{0.0f, 0.9f, 0.95f, 1e-8f, 0.0f}));  // warm-up step 0
-  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{-1.0f, 0.9f, 0.95f, 1e-8f, 0.0f}),
-                       doctest::Contains("lr"), Error);
-  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 1.0f, 0.95f, 1e-8f, 0.0f}),
-                       doctest::Contains("beta1"), Error);
-  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 0.9f, -0.5f, 1e-8f, 0.0f}),
-                       doctest::Contains("beta2"), Error);
-  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 0.9f, 0.95f, 0.0f, 0.0f}),
-                       doctest::Contains("eps"), Error);
+  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{-1.0f, 0.9f, 0.95f, 1e-8f, 0.0f}), doctest::Contains("lr"),
+                       Error);
+  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 1.0f, 0.95f, 1e-8f, 0.0f}), doctest::Contains("beta1"),
+                       Error);
+  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 0.9f, -0.5f, 1e-8f, 0.0f}), doctest::Contains("beta2"),
+                       Error);
+  CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 0.9f, 0.95f, 0.0f, 0.0f}), doctest::Contains("eps"),
+                       Error);
   CHECK_THROWS_WITH_AS(math::validate(math::AdamWParams{1e-3f, 0.9f, 0.95f, 1e-8f, std::nanf("")}),
                        doctest::Contains("weight_decay"), Error);
   CHECK_THROWS_WITH_AS(math::adamw_bias_corrections(math::AdamWParams{}, 0), doctest::Contains("step"), Error);
@@ -378,9 +381,8 @@ TEST_CASE("math AdamW hyper-parameters and steps are validated with messages nam
 
 TEST_CASE_TEMPLATE("layernorm_forward matches the naive reference, on ragged shapes", T, double, float) {
   const double tol = std::is_same_v<T, double> ? 1e-13 : 2e-6;
-  for (const LayerNormCase s : {LayerNormCase{1, 1}, LayerNormCase{1, 7}, LayerNormCase{3, 13},
-                                LayerNormCase{2, 64}, LayerNormCase{5, 257}, LayerNormCase{4, 300},
-                                LayerNormCase{2, 1029}}) {
+  for (const LayerNormCase s : {LayerNormCase{1, 1}, LayerNormCase{1, 7}, LayerNormCase{3, 13}, LayerNormCase{2, 64},
+                                LayerNormCase{5, 257}, LayerNormCase{4, 300}, LayerNormCase{2, 1029}}) {
     CAPTURE(s.rows);
     CAPTURE(s.C);
     const std::string tag = std::to_string(s.rows) + "x" + std::to_string(s.C);
@@ -435,13 +437,13 @@ TEST_CASE("layernorm_backward matches finite differences in double; dx overwritt
     const std::vector<double> fd_w = finite_difference(w, loss);
     const std::vector<double> fd_b = finite_difference(b, loss);
 
-    loss();  // mean and rstd of the unperturbed input
+    loss();                                     // mean and rstd of the unperturbed input
     std::vector<double> dx(x.size(), 12345.0);  // overwritten
     const std::vector<double> dw0 = random_normal(s.C, "lnb.dw0." + tag);
     const std::vector<double> db0 = random_normal(s.C, "lnb.db0." + tag);
     std::vector<double> dw = dw0, db = db0;
-    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), probe.data(), x.data(), w.data(), mean.data(),
-                            rstd.data(), s.rows, s.C);
+    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), probe.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                            s.rows, s.C);
     CHECK(relative_error(dx, fd_x) < kFdTolerance);
     CHECK(relative_error(minus(dw, dw0), fd_w) < kFdTolerance);
     CHECK(relative_error(minus(db, db0), fd_b) < kFdTolerance);
@@ -483,11 +485,11 @@ TEST_CASE("layernorm_backward is bitwise identical for 1, 2 and 3 OpenMP threads
     std::vector<float> dx(x.size()), dw(C, 0.25f), db(C, -0.5f), fwd(x.size()), mu(rows), rs(rows);
     with_threads(threads, [&] {
       cpu::layernorm_forward(fwd.data(), mu.data(), rs.data(), x.data(), w.data(), b.data(), rows, C);
-      cpu::layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(), mean.data(),
-                              rstd.data(), rows, C);
+      cpu::layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                              rows, C);
       // Twice: the second call accumulates onto the first.
-      cpu::layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(), mean.data(),
-                              rstd.data(), rows, C);
+      cpu::layernorm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                              rows, C);
     });
     std::vector<float> all = fwd;
     all.insert(all.end(), dx.begin(), dx.end());
@@ -503,9 +505,9 @@ TEST_CASE("layernorm_backward is bitwise identical for 1, 2 and 3 OpenMP threads
 TEST_CASE("layernorm rejects shapes it cannot normalize") {
   std::vector<float> v(4);
   CHECK_THROWS_AS(cpu::layernorm_forward(v.data(), v.data(), v.data(), v.data(), v.data(), v.data(), 1, 0), Error);
-  CHECK_THROWS_AS(cpu::layernorm_backward(v.data(), v.data(), v.data(), v.data(), v.data(), v.data(), v.data(),
-                                          v.data(), -1, 4),
-                  Error);
+  CHECK_THROWS_AS(
+      cpu::layernorm_backward(v.data(), v.data(), v.data(), v.data(), v.data(), v.data(), v.data(), v.data(), -1, 4),
+      Error);
 }
 
 // =======================================================================================
@@ -586,8 +588,8 @@ TEST_CASE_TEMPLATE("encoder_forward adds the token row and the position row", T,
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t t = 0; t < Tlen; ++t)
         for (std::int64_t c = 0; c < C; ++c) {
-          const double expected = static_cast<double>(wte[tokens[b * Tlen + t] * C + c]) +
-                                  static_cast<double>(wpe[t * C + c]);
+          const double expected =
+              static_cast<double>(wte[tokens[b * Tlen + t] * C + c]) + static_cast<double>(wpe[t * C + c]);
           REQUIRE(static_cast<double>(out[(b * Tlen + t) * C + c]) == doctest::Approx(expected).epsilon(1e-7));
         }
   }
@@ -729,18 +731,18 @@ TEST_CASE("adamw_update is bitwise identical for 1 and 2 threads and rejects bad
   std::vector<float> p = p0, m(n), v(n);
   CHECK_THROWS_WITH_AS(cpu::adamw_update(p.data(), m.data(), v.data(), g.data(), n, hp, 0), doctest::Contains("step"),
                        Error);
-  CHECK_THROWS_AS(cpu::adamw_update(p.data(), m.data(), v.data(), g.data(), n, hp, 1,
-                                    std::numeric_limits<float>::infinity()),
-                  Error);
+  CHECK_THROWS_AS(
+      cpu::adamw_update(p.data(), m.data(), v.data(), g.data(), n, hp, 1, std::numeric_limits<float>::infinity()),
+      Error);
 }
 
 // =======================================================================================
 // Sum of squares
 
 TEST_CASE_TEMPLATE("sum_of_squares matches a long double sum across block and batch boundaries", T, double, float) {
-  for (std::int64_t n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, cpu::kReduceBlock - 1, cpu::kReduceBlock,
-                         cpu::kReduceBlock + 1, 3 * cpu::kReduceBlock + 5,
-                         cpu::kReduceBlock * cpu::kReduceBatch + 17}) {
+  for (std::int64_t n :
+       {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, cpu::kReduceBlock - 1, cpu::kReduceBlock,
+        cpu::kReduceBlock + 1, 3 * cpu::kReduceBlock + 5, cpu::kReduceBlock * cpu::kReduceBatch + 17}) {
     CAPTURE(n);
     const auto x = cast_to<T>(random_normal(n, "sos.x." + std::to_string(n), 0.01));
     long double expected = 0;

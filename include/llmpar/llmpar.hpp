@@ -1,12 +1,12 @@
 // llmpar/llmpar.hpp — the umbrella header: everything a trainer needs.
 #pragma once
 
+#include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/config.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
 #include "llmpar/core/tensor.hpp"
-#include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/data/shard.hpp"
 #include "llmpar/data/tokenizer.hpp"

@@ -96,16 +96,15 @@ int run_to_half(const char* name, std::vector<std::uint32_t>& patterns, bool gen
     return 1;
   }
   if (!generate) {
-    CHECK_CUDA(
-        cudaMemcpy(d_patterns.ptr, patterns.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_patterns.ptr, patterns.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice));
   }
   to_half_kernel<<<1024, 256>>>(generate ? nullptr : d_patterns.ptr, n, d_bf16.ptr, d_f16.ptr);
   CHECK_CUDA(cudaGetLastError());
   std::vector<std::uint16_t> bf16_bits(n), f16_bits(n);
   CHECK_CUDA(cudaMemcpy(bf16_bits.data(), d_bf16.ptr, n * sizeof(std::uint16_t), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(f16_bits.data(), d_f16.ptr, n * sizeof(std::uint16_t), cudaMemcpyDeviceToHost));
-  const int bad = count_mismatches("bf16", patterns, bf16_bits, host_bf16) +
-                  count_mismatches("f16", patterns, f16_bits, host_f16);
+  const int bad =
+      count_mismatches("bf16", patterns, bf16_bits, host_bf16) + count_mismatches("f16", patterns, f16_bits, host_f16);
   std::printf("%-40s %10u patterns, %d mismatches\n", name, n, bad);
   mismatches += bad;
   return 0;
@@ -157,22 +156,17 @@ int main() {
   to_float_kernel<<<65536 / 256, 256>>>(d_from_bf16.ptr, d_from_f16.ptr);
   CHECK_CUDA(cudaGetLastError());
   std::vector<std::uint32_t> from_bf16(65536), from_f16(65536);
-  CHECK_CUDA(
-      cudaMemcpy(from_bf16.data(), d_from_bf16.ptr, 65536 * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
-  CHECK_CUDA(
-      cudaMemcpy(from_f16.data(), d_from_f16.ptr, 65536 * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(from_bf16.data(), d_from_bf16.ptr, 65536 * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(from_f16.data(), d_from_f16.ptr, 65536 * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
   int bad = 0;
   for (std::uint32_t i = 0; i < 65536u; ++i) {
     const auto h = static_cast<std::uint16_t>(i);
-    const std::uint32_t host_bf16 =
-        llmpar::bits::of(static_cast<float>(llmpar::bf16::from_bits(h)));
+    const std::uint32_t host_bf16 = llmpar::bits::of(static_cast<float>(llmpar::bf16::from_bits(h)));
     const std::uint32_t host_f16 = llmpar::bits::of(static_cast<float>(llmpar::f16::from_bits(h)));
     if (host_bf16 != from_bf16[i] && ++bad <= 5)
-      std::fprintf(stderr, "FAIL: bf16 0x%04x to float: device 0x%08x, host 0x%08x\n", i, from_bf16[i],
-                   host_bf16);
+      std::fprintf(stderr, "FAIL: bf16 0x%04x to float: device 0x%08x, host 0x%08x\n", i, from_bf16[i], host_bf16);
     if (host_f16 != from_f16[i] && ++bad <= 5)
-      std::fprintf(stderr, "FAIL: f16 0x%04x to float: device 0x%08x, host 0x%08x\n", i, from_f16[i],
-                   host_f16);
+      std::fprintf(stderr, "FAIL: f16 0x%04x to float: device 0x%08x, host 0x%08x\n", i, from_f16[i], host_f16);
   }
   std::printf("%-40s %10u patterns, %d mismatches\n", "bf16/f16 -> float, every 16-bit pattern", 65536u, bad);
   mismatches += bad;

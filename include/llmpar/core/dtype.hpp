@@ -18,7 +18,6 @@ namespace llmpar {
 
 namespace detail {
 
-
 // float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN of the same sign.
 LLMPAR_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
   std::uint32_t x = bits::of(f);
@@ -38,7 +37,7 @@ LLMPAR_HOST_DEVICE std::uint16_t float_to_f16_bits(float f) {
   x &= 0x7FFFFFFFu;
   if (x >= 0x7F800000u) return static_cast<std::uint16_t>(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
   if (x >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
-  if (x < 0x38800000u) {  // below 2^-14: a subnormal half (or zero)
+  if (x < 0x38800000u) {                                                    // below 2^-14: a subnormal half (or zero)
     const int exponent = static_cast<int>(x >> 23);
     const int shift = 126 - exponent;  // mantissa with implicit bit, in units of 2^-24
     if (shift > 24) return static_cast<std::uint16_t>(sign);
@@ -119,8 +118,7 @@ LLMPAR_HOST_DEVICE To convert(From x) {
 enum class DType : std::uint8_t { f32, bf16, f16, i32, i64, u8 };
 
 template <class T>
-inline constexpr bool kIsFloating =
-    std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+inline constexpr bool kIsFloating = std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
 
 namespace detail {
 template <class T>
@@ -129,35 +127,55 @@ inline constexpr bool kNoDType = false;
 
 template <class T>
 constexpr DType dtype_of() {
-  if constexpr (std::is_same_v<T, float>) return DType::f32;
-  else if constexpr (std::is_same_v<T, bf16>) return DType::bf16;
-  else if constexpr (std::is_same_v<T, f16>) return DType::f16;
-  else if constexpr (std::is_same_v<T, std::int32_t>) return DType::i32;
-  else if constexpr (std::is_same_v<T, std::int64_t>) return DType::i64;
-  else if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, std::byte>) return DType::u8;
-  else static_assert(detail::kNoDType<T>, "llmpar: this element type has no DType; use float, bf16, f16, int32, int64 or bytes");
+  if constexpr (std::is_same_v<T, float>)
+    return DType::f32;
+  else if constexpr (std::is_same_v<T, bf16>)
+    return DType::bf16;
+  else if constexpr (std::is_same_v<T, f16>)
+    return DType::f16;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return DType::i32;
+  else if constexpr (std::is_same_v<T, std::int64_t>)
+    return DType::i64;
+  else if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, std::byte>)
+    return DType::u8;
+  else
+    static_assert(detail::kNoDType<T>,
+                  "llmpar: this element type has no DType; use float, bf16, f16, int32, int64 or bytes");
 }
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   return 0;
 }
 
 constexpr std::string_view name_of(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }

@@ -48,10 +48,10 @@ template <class... Args>
 }  // namespace llmpar
 
 // LLMPAR_CHECK(cond, message parts...): throws llmpar::Error when cond is false.
-#define LLMPAR_CHECK(cond, ...)                                                  \
-  do {                                                                           \
-    if (!(cond)) [[unlikely]]                                                    \
-      ::llmpar::detail::throw_error(__FILE__, __LINE__, #cond, __VA_ARGS__);     \
+#define LLMPAR_CHECK(cond, ...)                                              \
+  do {                                                                       \
+    if (!(cond)) [[unlikely]]                                                \
+      ::llmpar::detail::throw_error(__FILE__, __LINE__, #cond, __VA_ARGS__); \
   } while (0)
 
 // LLMPAR_FAIL(message parts...): throws unconditionally (unreachable configurations).

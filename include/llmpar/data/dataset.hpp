@@ -150,19 +150,19 @@ class TokenDataset {
 };
 
 struct LoaderConfig {
-  int batch_size = 0;  // B: rows per batch on this rank
-  int seq_len = 0;     // T: tokens per row
-  int rank = 0;        // this rank's index among the data-parallel ranks
-  int world = 1;       // number of data-parallel ranks reading the dataset together
-  bool shuffle = false;     // visit each shard's windows in a permuted order, new every epoch
-  std::uint64_t seed = 0;   // of that order (the same on every rank)
+  int batch_size = 0;      // B: rows per batch on this rank
+  int seq_len = 0;         // T: tokens per row
+  int rank = 0;            // this rank's index among the data-parallel ranks
+  int world = 1;           // number of data-parallel ranks reading the dataset together
+  bool shuffle = false;    // visit each shard's windows in a permuted order, new every epoch
+  std::uint64_t seed = 0;  // of that order (the same on every rank)
 };
 
 // Where the loader will read next: enough to resume a run exactly from a checkpoint.
 struct LoaderState {
   std::size_t shard = 0;
-  std::int64_t window = 0;  // index, in this epoch's order, of the world's next window in the shard
-  std::int64_t epoch = 0;   // completed passes over the dataset
+  std::int64_t window = 0;         // index, in this epoch's order, of the world's next window in the shard
+  std::int64_t epoch = 0;          // completed passes over the dataset
   std::int64_t window_tokens = 0;  // world*B*T of the loader that saved it (0: not checked)
   friend bool operator==(const LoaderState&, const LoaderState&) = default;
 };
@@ -211,8 +211,8 @@ class DataLoader {
   // next call to next().
   Batch next() {
     const std::int64_t window = order_.empty() ? state_.window : order_[static_cast<std::size_t>(state_.window)];
-    const std::uint16_t* src = data_->shard(state_.shard).data() + window * stride_ +
-                               static_cast<std::int64_t>(config_.rank) * rows_;
+    const std::uint16_t* src =
+        data_->shard(state_.shard).data() + window * stride_ + static_cast<std::int64_t>(config_.rank) * rows_;
     std::int32_t* LLMPAR_RESTRICT in = inputs_.data();
     std::int32_t* LLMPAR_RESTRICT tgt = targets_.data();
     for (std::int64_t i = 0; i < rows_; ++i) {
@@ -283,7 +283,8 @@ class DataLoader {
     for (std::int64_t i = n - 1; i > 0; --i) {
       const rng::Counter r = stream.bits(static_cast<std::uint64_t>(i));
       const std::uint64_t draw = static_cast<std::uint64_t>(r[0]) << 32 | r[1];
-      std::swap(order_[static_cast<std::size_t>(i)], order_[static_cast<std::size_t>(draw % static_cast<std::uint64_t>(i + 1))]);
+      std::swap(order_[static_cast<std::size_t>(i)],
+                order_[static_cast<std::size_t>(draw % static_cast<std::uint64_t>(i + 1))]);
     }
   }
 
@@ -293,8 +294,8 @@ class DataLoader {
   std::int64_t stride_ = 0;  // world*B*T: how far the world's window moves per batch
   LoaderState state_;
   std::vector<std::int64_t> order_;  // window order of the current shard; empty: in order
-  Buffer<std::int32_t> inputs_;   // (B,T)
-  Buffer<std::int32_t> targets_;  // (B,T)
+  Buffer<std::int32_t> inputs_;      // (B,T)
+  Buffer<std::int32_t> targets_;     // (B,T)
 };
 
 // ---------------------------------------------------------------------------------------

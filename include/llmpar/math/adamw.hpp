@@ -33,29 +33,25 @@ struct AdamWBiasCorrections {
 
 // Host-side checks, run once per update call: every message names the field and value.
 inline void validate(const AdamWParams& hp) {
-  LLMPAR_CHECK(hp.lr >= 0.0f && std::isfinite(hp.lr), "AdamW lr is ", hp.lr,
-               "; it must be finite and >= 0");
-  LLMPAR_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "AdamW beta1 is ", hp.beta1,
-               "; it must be in [0, 1), e.g. 0.9");
+  LLMPAR_CHECK(hp.lr >= 0.0f && std::isfinite(hp.lr), "AdamW lr is ", hp.lr, "; it must be finite and >= 0");
+  LLMPAR_CHECK(hp.beta1 >= 0.0f && hp.beta1 < 1.0f, "AdamW beta1 is ", hp.beta1, "; it must be in [0, 1), e.g. 0.9");
   LLMPAR_CHECK(hp.beta2 >= 0.0f && hp.beta2 < 1.0f, "AdamW beta2 is ", hp.beta2,
                "; it must be in [0, 1), e.g. 0.95 or 0.999");
   LLMPAR_CHECK(hp.eps > 0.0f && std::isfinite(hp.eps), "AdamW eps is ", hp.eps,
                "; it must be finite and > 0, e.g. 1e-8");
-  LLMPAR_CHECK(hp.weight_decay >= 0.0f && std::isfinite(hp.weight_decay),
-               "AdamW weight_decay is ", hp.weight_decay, "; it must be finite and >= 0");
+  LLMPAR_CHECK(hp.weight_decay >= 0.0f && std::isfinite(hp.weight_decay), "AdamW weight_decay is ", hp.weight_decay,
+               "; it must be finite and >= 0");
 }
 
 inline AdamWBiasCorrections adamw_bias_corrections(const AdamWParams& hp, int step) {
   LLMPAR_CHECK(step >= 1, "AdamW step is ", step, "; steps count from 1");
-  return {1.0 - std::pow(static_cast<double>(hp.beta1), step),
-          1.0 - std::pow(static_cast<double>(hp.beta2), step)};
+  return {1.0 - std::pow(static_cast<double>(hp.beta1), step), 1.0 - std::pow(static_cast<double>(hp.beta2), step)};
 }
 
 // One element. T is float (training) or double (reference tests); grad is the final
 // gradient (already unscaled/clipped). c1, c2 are the bias corrections of this step.
 template <class T>
-LLMPAR_HOST_DEVICE void adamw_step(T& param, T& m, T& v, T grad, const AdamWParams& hp, T c1,
-                                   T c2) {
+LLMPAR_HOST_DEVICE void adamw_step(T& param, T& m, T& v, T grad, const AdamWParams& hp, T c1, T c2) {
   using std::sqrt;
   const T beta1 = static_cast<T>(hp.beta1);
   const T beta2 = static_cast<T>(hp.beta2);

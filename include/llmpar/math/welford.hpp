@@ -48,14 +48,10 @@ struct Welford {
   }
 
   // Biased (population) variance, M2 / n: what LayerNorm normalizes by. 0 when empty.
-  LLMPAR_HOST_DEVICE Acc variance() const {
-    return count > 0 ? m2 / static_cast<Acc>(count) : Acc(0);
-  }
+  LLMPAR_HOST_DEVICE Acc variance() const { return count > 0 ? m2 / static_cast<Acc>(count) : Acc(0); }
 
   // Unbiased (sample) variance, M2 / (n - 1). 0 with fewer than two values.
-  LLMPAR_HOST_DEVICE Acc sample_variance() const {
-    return count > 1 ? m2 / static_cast<Acc>(count - 1) : Acc(0);
-  }
+  LLMPAR_HOST_DEVICE Acc sample_variance() const { return count > 1 ? m2 / static_cast<Acc>(count - 1) : Acc(0); }
 };
 
 }  // namespace llmpar::math

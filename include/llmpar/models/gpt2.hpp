@@ -40,17 +40,19 @@ struct GPT2Config {
   std::int64_t layers = 12;
   std::int64_t heads = 12;
   std::int64_t dim = 768;
-  std::int64_t max_seq = 1024;       // rows of the position table; the longest sequence
-  std::int64_t vocab = 50257;        // real vocabulary
-  std::int64_t padded_vocab = 50304; // rows of the token table, >= vocab
+  std::int64_t max_seq = 1024;        // rows of the position table; the longest sequence
+  std::int64_t vocab = 50257;         // real vocabulary
+  std::int64_t padded_vocab = 50304;  // rows of the token table, >= vocab
   float init_std = 0.02f;
 
   // Named presets: "gpt2-tiny" (byte vocabulary, trains in a minute on a laptop core),
   // "gpt2-124m" (the GPT-2 small of Radford et al.).
   static GPT2Config preset(std::string_view name) {
-    if (name == "gpt2-tiny") return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 64, .vocab = 256, .padded_vocab = 256};
+    if (name == "gpt2-tiny")
+      return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 64, .vocab = 256, .padded_vocab = 256};
     if (name == "gpt2-124m") return {};
-    LLMPAR_FAIL("unknown model preset '", name, "'; use gpt2-tiny or gpt2-124m, or give --layers --heads --dim --seq --vocab");
+    LLMPAR_FAIL("unknown model preset '", name,
+                "'; use gpt2-tiny or gpt2-124m, or give --layers --heads --dim --seq --vocab");
   }
 
   // The token table padded to a multiple of 128 rows.
@@ -62,7 +64,8 @@ struct GPT2Config {
     LLMPAR_CHECK(dim > 0 && dim % heads == 0, "dim ", dim, " is not divisible by heads ", heads,
                  "; choose dim as a multiple of heads (e.g. ", heads * std::max<std::int64_t>(1, dim / heads), ")");
     LLMPAR_CHECK(max_seq > 0, "seq is ", max_seq, "; the sequence length must be positive");
-    LLMPAR_CHECK(vocab > 0 && vocab <= 65536, "vocab is ", vocab, "; it must be in [1, 65536] (tokens are stored as uint16)");
+    LLMPAR_CHECK(vocab > 0 && vocab <= 65536, "vocab is ", vocab,
+                 "; it must be in [1, 65536] (tokens are stored as uint16)");
     LLMPAR_CHECK(padded_vocab >= vocab, "padded_vocab ", padded_vocab, " is smaller than vocab ", vocab);
   }
 
@@ -100,7 +103,8 @@ class GPT2Block {
         heads_(cfg.heads),
         ln1_(name + ".ln_1", cfg.dim),
         qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.init_std),
-        proj_(name + ".attn.c_proj", cfg.dim, cfg.dim, true, cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))),
+        proj_(name + ".attn.c_proj", cfg.dim, cfg.dim, true,
+              cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))),
         ln2_(name + ".ln_2", cfg.dim),
         fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std),
         fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
@@ -217,7 +221,8 @@ class GPT2 {
 
   // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
   void backward(backend::cpu::Context& ctx) {
-    LLMPAR_CHECK(backward_ready_, "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
+    LLMPAR_CHECK(backward_ready_,
+                 "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
     backward_ready_ = false;
     const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
     scratch_.reserve(rows, C);

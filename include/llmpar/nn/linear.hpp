@@ -26,8 +26,8 @@ class Linear {
         has_bias_(has_bias),
         weight_(name + ".weight", {out_features, in_features}, Init::normal(init_std), true),
         bias_(name + ".bias", {out_features}, Init::zeros(), false) {
-    LLMPAR_CHECK(in_features > 0 && out_features > 0, "linear layer '", name, "' needs positive sizes, got in=",
-                 in_features, " out=", out_features);
+    LLMPAR_CHECK(in_features > 0 && out_features > 0, "linear layer '", name,
+                 "' needs positive sizes, got in=", in_features, " out=", out_features);
   }
 
   // y (rows, out) = x (rows, in) · Wᵀ + b

@@ -58,7 +58,9 @@ struct Parameter {
 // A type whose parameters can be visited: `l.parameters(visit)` calls visit(Parameter&)
 // once per parameter, in a fixed order.
 template <class L, class T = float>
-concept HasParameters = requires(L& layer) { layer.parameters([](Parameter<T>&) {}); };
+concept HasParameters = requires(L& layer) {
+  layer.parameters([](Parameter<T>&) {});
+};
 
 template <class T>
 class ParameterStore {

@@ -8,11 +8,10 @@
 // GEMM library can do", not a datasheet number.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "llmpar/core/error.hpp"
@@ -41,7 +40,8 @@ class MetricsWriter {
   explicit MetricsWriter(const std::string& path) {
     if (path.empty()) return;
     out_.open(path, std::ios::out | std::ios::trunc);
-    LLMPAR_CHECK(out_.good(), "cannot open metrics file '", path, "' for writing; check the directory exists and is writable");
+    LLMPAR_CHECK(out_.good(), "cannot open metrics file '", path,
+                 "' for writing; check the directory exists and is writable");
   }
   bool enabled() const { return out_.is_open(); }
 
@@ -52,8 +52,14 @@ class MetricsWriter {
   }
 
   void write_step(const StepStats& s) {
-    write({{"type", "step"}, {"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
-           {"ms", s.ms}, {"tokens_per_s", s.tokens_per_s}, {"mfu", s.mfu}});
+    write({{"type", "step"},
+           {"step", s.step},
+           {"loss", s.loss},
+           {"lr", s.lr},
+           {"grad_norm", s.grad_norm},
+           {"ms", s.ms},
+           {"tokens_per_s", s.tokens_per_s},
+           {"mfu", s.mfu}});
   }
 
  private:
@@ -62,7 +68,8 @@ class MetricsWriter {
 
 inline std::string format_step(const StepStats& s, std::int64_t total_steps) {
   char line[256];
-  std::snprintf(line, sizeof line, "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
+  std::snprintf(line, sizeof line,
+                "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
                 static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm, s.ms,
                 s.tokens_per_s, 100.0 * s.mfu);
   return line;

@@ -36,9 +36,14 @@ struct TrainerConfig {
 template <class Model>
 class Trainer {
  public:
-  Trainer(backend::cpu::Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
-          data::DataLoader& train, const TrainerConfig& cfg)
-      : ctx_(ctx), model_(model), optimizer_(model.parameter_store(), opt), schedule_(schedule), train_(train), cfg_(cfg) {
+  Trainer(backend::cpu::Context& ctx, Model& model, const optim::AdamWConfig& opt,
+          const optim::CosineSchedule& schedule, data::DataLoader& train, const TrainerConfig& cfg)
+      : ctx_(ctx),
+        model_(model),
+        optimizer_(model.parameter_store(), opt),
+        schedule_(schedule),
+        train_(train),
+        cfg_(cfg) {
     cfg.validate();
     schedule.validate();
   }
@@ -52,7 +57,8 @@ class Trainer {
     double loss = 0.0;
     for (std::int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
       const data::Batch b = train_.next();
-      loss += model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq, 1.0f / static_cast<float>(cfg_.grad_accum));
+      loss +=
+          model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq, 1.0f / static_cast<float>(cfg_.grad_accum));
       model_.backward(ctx_);
     }
     loss /= static_cast<double>(cfg_.grad_accum);
@@ -72,8 +78,8 @@ class Trainer {
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
       const auto& mc = model_.config();
-      s.mfu = flops_per_token(model_.num_parameters(), mc.layers, mc.dim, seq) * s.tokens_per_s /
-              (cfg_.peak_gflops * 1e9);
+      s.mfu =
+          flops_per_token(model_.num_parameters(), mc.layers, mc.dim, seq) * s.tokens_per_s / (cfg_.peak_gflops * 1e9);
     }
     return s;
   }

@@ -26,9 +26,8 @@ namespace llmpar::backend::cpu {
 
 // params, m, v: (n), updated in place; grads: (n). step counts from 1.
 template <class T>
-void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RESTRICT v,
-                  const T* LLMPAR_RESTRICT grads, std::int64_t n, const math::AdamWParams& hp,
-                  int step, float grad_scale = 1.0f) {
+void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RESTRICT v, const T* LLMPAR_RESTRICT grads,
+                  std::int64_t n, const math::AdamWParams& hp, int step, float grad_scale = 1.0f) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "adamw_update keeps parameters and moments in float (or double for tests); "
                 "low-precision weights are updated through their float master copy");

@@ -68,8 +68,8 @@ static_assert(kTile == 64, "dot_cols dispatches 16, 32, 48 or 64 keys: a tile of
 // horizontal reduction and no FMA latency chain (a dot product per key would have
 // both).
 template <int kHs, int kCols, class Acc>
-inline void dot_cols_fixed(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a,
-                           const Acc* LLMPAR_RESTRICT bt, std::int64_t hs_runtime, Acc scale) {
+inline void dot_cols_fixed(Acc* LLMPAR_RESTRICT s, const Acc* LLMPAR_RESTRICT a, const Acc* LLMPAR_RESTRICT bt,
+                           std::int64_t hs_runtime, Acc scale) {
   const std::int64_t hs = kHs > 0 ? kHs : hs_runtime;
   Acc acc[kCols] = {};
   for (std::int64_t d = 0; d < hs; ++d) {
@@ -142,8 +142,8 @@ inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, st
 // Packs n rows of one head transposed and zero-pads to a full tile.
 // dst: (hs, kTile); src: rows `stride` elements apart.
 template <class T, class Acc>
-inline void pack_transposed(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n,
-                            std::int64_t hs, std::int64_t stride) {
+inline void pack_transposed(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, std::int64_t n, std::int64_t hs,
+                            std::int64_t stride) {
   for (std::int64_t r = 0; r < n; ++r) {
     const T* LLMPAR_RESTRICT row = src + r * stride;
     for (std::int64_t d = 0; d < hs; ++d) dst[d * kTile + r] = static_cast<Acc>(row[d]);
@@ -155,8 +155,8 @@ inline void pack_transposed(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT s
 
 // Inverse of pack_rows: dst rows `stride` apart; src: (n, hs).
 template <class T, class Acc>
-inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, std::int64_t n,
-                        std::int64_t hs, std::int64_t stride) {
+inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, std::int64_t n, std::int64_t hs,
+                        std::int64_t stride) {
   for (std::int64_t r = 0; r < n; ++r) {
     T* LLMPAR_RESTRICT row = dst + r * stride;
     const Acc* LLMPAR_RESTRICT in = src + r * hs;
@@ -174,9 +174,9 @@ inline void check_shape(const char* who, std::int64_t B, std::int64_t T, std::in
 
 // One query tile [i0, i0 + ni) of head h of batch b. scratch: 4 * kTile * hs + kTile.
 template <int kHs, class T>
-void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv,
-                  std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t T_len, std::int64_t C,
-                  std::int64_t NH, acc_t<T>* LLMPAR_RESTRICT scratch) {
+void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, std::int64_t b,
+                  std::int64_t h, std::int64_t i0, std::int64_t T_len, std::int64_t C, std::int64_t NH,
+                  acc_t<T>* LLMPAR_RESTRICT scratch) {
   using Acc = acc_t<T>;
   const std::int64_t hs = kHs > 0 ? kHs : C / NH;
   const std::int64_t C3 = 3 * C;
@@ -232,8 +232,7 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
 }
 
 template <int kHs, class T>
-void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C,
-             std::int64_t NH) {
+void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
   using Acc = acc_t<T>;
   const std::int64_t hs = C / NH;
   const std::int64_t tiles = ceil_div(T_len, kTile);
@@ -258,9 +257,8 @@ void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T
 // One head (b, h). scratch: backward_scratch(T, hs).
 template <int kHs, class T>
 void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                   const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b,
-                   std::int64_t h, std::int64_t T_len, std::int64_t C, std::int64_t NH,
-                   acc_t<T>* LLMPAR_RESTRICT scratch) {
+                   const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b, std::int64_t h,
+                   std::int64_t T_len, std::int64_t C, std::int64_t NH, acc_t<T>* LLMPAR_RESTRICT scratch) {
   using Acc = acc_t<T>;
   const std::int64_t hs = kHs > 0 ? kHs : C / NH;
   const std::int64_t C3 = 3 * C;
@@ -366,8 +364,8 @@ void backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>
 // out: (B, T, C); lse: (B, NH, T) log-sum-exp of each row's scaled scores;
 // qkv: (B, T, 3C). Scores are scaled by 1/sqrt(C / NH).
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                       std::int64_t C, std::int64_t NH) {
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C,
+                       std::int64_t NH) {
   detail::attn::check_shape("attention_forward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
   switch (C / NH) {
@@ -389,8 +387,8 @@ void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std:
 // Overwrites dqkv: (B, T, 3C). dout, out: (B, T, C); qkv: (B, T, 3C); lse: (B, NH, T)
 // as saved by attention_forward on the same qkv.
 template <class T>
-void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse,
-                        std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, std::int64_t B,
+                        std::int64_t T_len, std::int64_t C, std::int64_t NH) {
   detail::attn::check_shape("attention_backward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
   switch (C / NH) {

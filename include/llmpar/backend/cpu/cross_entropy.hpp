@@ -39,8 +39,7 @@ inline constexpr std::int64_t kChunk = 1024;
 
 // Softmax statistics of x[0, n) * inv_temperature.   x: (n)
 template <class T>
-math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t n,
-                                        acc_t<T> inv_temperature) {
+math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t n, acc_t<T> inv_temperature) {
   using Acc = acc_t<T>;
   math::OnlineSoftmax<Acc> total;
   for (std::int64_t c0 = 0; c0 < n; c0 += kChunk) {
@@ -79,8 +78,8 @@ inline void check_targets(const std::int32_t* targets, std::int64_t rows, std::i
 // dloss is d(total loss)/d(loss_r), the same for every row (1/rows for a mean).
 template <class T>
 void cross_entropy_forward_backward(T* LLMPAR_RESTRICT logits, acc_t<T>* LLMPAR_RESTRICT losses,
-                                    const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows,
-                                    std::int64_t V, std::int64_t Vp, acc_t<T> dloss) {
+                                    const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows, std::int64_t V,
+                                    std::int64_t Vp, acc_t<T> dloss) {
   using Acc = acc_t<T>;
   detail::xent::check_shape("cross_entropy_forward_backward", rows, V, Vp);
   detail::xent::check_targets(targets, rows, V);

@@ -25,12 +25,11 @@ namespace llmpar::backend::cpu {
 
 // out: (B, Tlen, C); tokens: (B, Tlen); wte: (V, C); wpe: (>= Tlen, C).
 template <class T>
-void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT tokens,
-                     const T* LLMPAR_RESTRICT wte, const T* LLMPAR_RESTRICT wpe, std::int64_t B,
-                     std::int64_t Tlen, std::int64_t C) {
+void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT tokens, const T* LLMPAR_RESTRICT wte,
+                     const T* LLMPAR_RESTRICT wpe, std::int64_t B, std::int64_t Tlen, std::int64_t C) {
   using Acc = acc_t<T>;
-  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_forward: B = ", B, ", Tlen = ", Tlen,
-               ", C = ", C, "; sizes must be >= 0");
+  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_forward: B = ", B, ", Tlen = ", Tlen, ", C = ", C,
+               "; sizes must be >= 0");
   const std::int64_t positions = B * Tlen;
 #pragma omp parallel for schedule(static) if (positions * C >= kMinParallelWork)
   for (std::int64_t bt = 0; bt < positions; ++bt) {
@@ -47,12 +46,11 @@ void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT
 
 // dwte: (V, C) +=; dwpe: (>= Tlen, C) +=; dout: (B, Tlen, C); tokens: (B, Tlen).
 template <class T>
-void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe,
-                      const T* LLMPAR_RESTRICT dout, const std::int32_t* LLMPAR_RESTRICT tokens,
-                      std::int64_t B, std::int64_t Tlen, std::int64_t C) {
+void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe, const T* LLMPAR_RESTRICT dout,
+                      const std::int32_t* LLMPAR_RESTRICT tokens, std::int64_t B, std::int64_t Tlen, std::int64_t C) {
   using Acc = acc_t<T>;
-  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_backward: B = ", B, ", Tlen = ", Tlen,
-               ", C = ", C, "; sizes must be >= 0");
+  LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_backward: B = ", B, ", Tlen = ", Tlen, ", C = ", C,
+               "; sizes must be >= 0");
   const std::int64_t positions = B * Tlen;
   const std::int64_t tiles = ceil_div(C, kColumnTile);
 #pragma omp parallel for schedule(static) if (positions * C >= kMinParallelWork)

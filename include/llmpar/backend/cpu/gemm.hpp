@@ -15,11 +15,10 @@
 // difference tests of whole layers, never for training.
 #pragma once
 
-#include <oneapi/dnnl/dnnl.hpp>
-
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 #include <type_traits>
 
@@ -55,8 +54,8 @@ class Context {
       const dnnl::memory::desc a_md({m, k}, tag::f32, op.trans_a ? dnnl::memory::dims{1, m} : dnnl::memory::dims{k, 1});
       const dnnl::memory::desc b_md({k, n}, tag::f32, op.trans_b ? dnnl::memory::dims{1, k} : dnnl::memory::dims{n, 1});
       const dnnl::memory::desc c_md({m, n}, tag::f32, dnnl::memory::dims{n, 1});
-      const dnnl::memory::desc bias_md = bias ? dnnl::memory::desc({1, n}, tag::f32, dnnl::memory::dims{n, 1})
-                                              : dnnl::memory::desc();
+      const dnnl::memory::desc bias_md =
+          bias ? dnnl::memory::desc({1, n}, tag::f32, dnnl::memory::dims{n, 1}) : dnnl::memory::desc();
       dnnl::primitive_attr attr;
       if (op.accumulate) {
         dnnl::post_ops post;
@@ -72,7 +71,9 @@ class Context {
     dnnl::memory c_mem(e.c_md, engine_, c);
     if (bias) {
       dnnl::memory bias_mem(e.bias_md, engine_, const_cast<float*>(bias));
-      e.primitive.execute(stream_, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_BIAS, bias_mem}, {DNNL_ARG_DST, c_mem}});
+      e.primitive.execute(
+          stream_,
+          {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_BIAS, bias_mem}, {DNNL_ARG_DST, c_mem}});
     } else {
       e.primitive.execute(stream_, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}});
     }

@@ -67,13 +67,11 @@ math::Welford<acc_t<T>> row_statistics(const T* LLMPAR_RESTRICT x, std::int64_t 
 
 // out, x: (rows, C); weight, bias: (C); mean, rstd: (rows) or null.
 template <class T>
-void layernorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT mean,
-                       acc_t<T>* LLMPAR_RESTRICT rstd, const T* LLMPAR_RESTRICT x,
-                       const T* LLMPAR_RESTRICT weight, const T* LLMPAR_RESTRICT bias,
+void layernorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT mean, acc_t<T>* LLMPAR_RESTRICT rstd,
+                       const T* LLMPAR_RESTRICT x, const T* LLMPAR_RESTRICT weight, const T* LLMPAR_RESTRICT bias,
                        std::int64_t rows, std::int64_t C, float eps = 1e-5f) {
   using Acc = acc_t<T>;
-  LLMPAR_CHECK(rows >= 0 && C >= 1, "layernorm_forward: rows = ", rows, ", C = ", C,
-               "; need rows >= 0 and C >= 1");
+  LLMPAR_CHECK(rows >= 0 && C >= 1, "layernorm_forward: rows = ", rows, ", C = ", C, "; need rows >= 0 and C >= 1");
   LLMPAR_CHECK(eps >= 0.0f, "layernorm_forward: eps = ", eps, "; it must be >= 0");
 #pragma omp parallel for schedule(static) if (rows * C >= kMinParallelWork)
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -94,14 +92,12 @@ void layernorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT mean,
 
 // dx, dout, x: (rows, C); dweight, dbias, weight: (C); mean, rstd: (rows) from forward.
 template <class T>
-void layernorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight,
-                        T* LLMPAR_RESTRICT dbias, const T* LLMPAR_RESTRICT dout,
-                        const T* LLMPAR_RESTRICT x, const T* LLMPAR_RESTRICT weight,
-                        const acc_t<T>* LLMPAR_RESTRICT mean, const acc_t<T>* LLMPAR_RESTRICT rstd,
-                        std::int64_t rows, std::int64_t C) {
+void layernorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight, T* LLMPAR_RESTRICT dbias,
+                        const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT x, const T* LLMPAR_RESTRICT weight,
+                        const acc_t<T>* LLMPAR_RESTRICT mean, const acc_t<T>* LLMPAR_RESTRICT rstd, std::int64_t rows,
+                        std::int64_t C) {
   using Acc = acc_t<T>;
-  LLMPAR_CHECK(rows >= 0 && C >= 1, "layernorm_backward: rows = ", rows, ", C = ", C,
-               "; need rows >= 0 and C >= 1");
+  LLMPAR_CHECK(rows >= 0 && C >= 1, "layernorm_backward: rows = ", rows, ", C = ", C, "; need rows >= 0 and C >= 1");
   const std::int64_t tiles = ceil_div(C, kColumnTile);
 #pragma omp parallel if (rows * C >= kMinParallelWork)
   {
