@@ -72,6 +72,7 @@ class ParameterStore {
   // Lays out every parameter of `model` in the flat buffers and points it there. The
   // model must not move afterwards (models holding a store are immovable).
   template <class Model>
+  requires HasParameters<Model, T>
   void bind(Model& model) {
     params_.clear();
     std::unordered_set<std::string> names;
