@@ -1,0 +1,816 @@
+// llmpar/comm/thread_comm.hpp — N ranks as threads of one process, over shared memory.
+//
+// This engine is what the test suite and `--ranks N` runs use, so it is built to be
+// both fast and exactly reproducible:
+//
+// * Real algorithms, no rank-0 funnel. all_reduce is a reduce-scatter followed by an
+//   all-gather: rank r reduces slice r of every rank's input (reading the other ranks'
+//   buffers in place), then every rank copies the finished slices it does not own.
+//   reduce, reduce_scatter, all_gather, broadcast and all_to_all likewise split the
+//   work so every rank moves about 1/N of the data. Small messages (under
+//   kSmallMessageBytes) are staged and reduced whole by every rank instead, which
+//   saves a round of synchronisation when latency, not bandwidth, is the cost.
+// * A fixed reduction order: every element is reduced over ranks 0, 1, ..., N-1 in
+//   that order, in float for bf16/f16 (rounded once), by exactly one rank (or, for
+//   small messages, identically by every rank). Results are bitwise identical on every
+//   rank and from run to run, whatever the thread timing.
+// * Synchronisation is per-rank arrival epochs (one cache line each): a rank that
+//   enters phase e stores e in its own line and waits until every member's line is
+//   >= e. Waiters spin briefly, then yield, then sleep on a condition variable, so
+//   oversubscribed runs (more ranks than cores) do not burn the cores they wait for.
+//   Knowing *which* lines are behind is what lets a timeout name the missing ranks.
+// * Checks are always on (they cost one comparison per rank): a collective whose kind,
+//   type, count, reduction or root differs between ranks throws on every rank with the
+//   field and each rank's value. A rank that does not arrive within the timeout makes
+//   the others throw an error naming the collective, the group and the missing ranks;
+//   the world is then aborted, so every rank's next operation fails with that message.
+//   A rank whose thread throws aborts the world the same way (see run_threads).
+// * Point to point uses per-pair mailboxes: whichever side of a send/recv pair arrives
+//   second does the copy, so send_async/recv_async in any order never deadlock.
+// * Asynchronous collectives run on a per-communicator worker thread, in issue order;
+//   a synchronous call runs inline when nothing is queued (the common case).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "llmpar/comm/communicator.hpp"
+#include "llmpar/comm/types.hpp"
+#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/error.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace llmpar::comm {
+
+struct ThreadOptions {
+  // How long a rank waits for the others before it names the missing ones and fails.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // OpenMP threads each rank's kernels use; 0: the process's OpenMP threads divided
+  // evenly between the ranks (at least 1), so N ranks do not oversubscribe the cores.
+  int omp_threads_per_rank = 0;
+};
+
+class ThreadComm;
+
+namespace detail {
+
+inline constexpr std::size_t kSmallMessageBytes = 32 * 1024;
+inline constexpr std::size_t kCacheLine = 64;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Shared by every rank (and every sub-communicator) of one thread world.
+struct ThreadWorld {
+  explicit ThreadWorld(ThreadOptions opts) : options(opts) {}
+
+  ThreadOptions options;
+  std::atomic<bool> aborted{false};
+  std::mutex message_mutex;
+  std::string abort_message;
+
+  // Sleeping waiters park here; anyone who changes what they wait for calls wake().
+  std::mutex sleep_mutex;
+  std::condition_variable sleep_cv;
+  std::atomic<int> sleepers{0};
+
+  void wake() {
+    if (sleepers.load() > 0) {
+      { std::lock_guard lock(sleep_mutex); }
+      sleep_cv.notify_all();
+    }
+  }
+
+  // The first message wins; every waiter wakes and throws it.
+  void abort(const std::string& message) {
+    {
+      std::lock_guard lock(message_mutex);
+      if (!aborted.load()) abort_message = message;
+      aborted.store(true);
+    }
+    { std::lock_guard lock(sleep_mutex); }
+    sleep_cv.notify_all();
+  }
+
+  [[noreturn]] void throw_aborted() {
+    std::string message;
+    {
+      std::lock_guard lock(message_mutex);
+      message = abort_message;
+    }
+    LLMPAR_FAIL("the thread world was aborted: ", message);
+  }
+
+  // Waits until ready() holds. Returns false at the deadline; throws if the world is
+  // aborted meanwhile.
+  template <class Ready>
+  bool wait_until(Ready&& ready, std::chrono::steady_clock::time_point deadline) {
+    for (int i = 0; i < 4096; ++i) {
+      if (ready()) return true;
+      if (aborted.load(std::memory_order_relaxed)) throw_aborted();
+      cpu_relax();
+    }
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      if (aborted.load(std::memory_order_relaxed)) throw_aborted();
+      std::this_thread::yield();
+    }
+    while (true) {
+      if (ready()) return true;
+      if (aborted.load()) throw_aborted();
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return ready();
+      std::unique_lock lock(sleep_mutex);
+      sleepers.fetch_add(1);
+      if (!ready() && !aborted.load())
+        sleep_cv.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(2)));
+      sleepers.fetch_sub(1);
+    }
+  }
+};
+
+// What a member posts for one operation. Each member keeps two, used by the parity of
+// the operation's arrival epoch: a rank that finished operation k may post k+1 while
+// slower ranks still read what was posted for k, but it cannot post k+2 before every
+// rank arrived at k+1, by which time nobody reads k's post any more.
+struct ThreadPost {
+  Op op;
+  const void* send = nullptr;  // what the others read (a staged copy for small messages)
+  bool splitting = false;      // in split() rather than an Op
+};
+
+// One member's line: its arrival epoch and its posts.
+struct alignas(kCacheLine) ThreadSlot {
+  std::atomic<std::uint64_t> epoch{0};
+  ThreadPost posts[2];
+  int color = 0, key = 0;
+  std::shared_ptr<struct ThreadGroup> split_child;
+  std::vector<std::byte> staging;
+};
+
+// A send or receive waiting in a mailbox, shared with the Request that waits on it.
+struct P2pPost {
+  Op op;
+  int rank = 0;  // who posted it
+  std::atomic<bool> done{false};
+  std::string error;  // set before done when the pair did not match
+};
+
+struct Mailbox {
+  std::mutex mutex;
+  std::deque<std::shared_ptr<P2pPost>> sends, recvs;
+};
+
+struct ThreadGroup {
+  ThreadGroup(std::shared_ptr<ThreadWorld> w, GroupInfo i)
+      : world(std::move(w)),
+        info(std::move(i)),
+        size(static_cast<int>(info.world_ranks.size())),
+        slots(static_cast<std::size_t>(size)),
+        mailboxes(static_cast<std::size_t>(size) * static_cast<std::size_t>(size)) {}
+
+  std::shared_ptr<ThreadWorld> world;
+  GroupInfo info;
+  int size;
+  std::vector<ThreadSlot> slots;
+  std::vector<Mailbox> mailboxes;  // [src * size + dst]
+
+  Mailbox& mailbox(int src, int dst) { return mailboxes[static_cast<std::size_t>(src * size + dst)]; }
+};
+
+// ---- element-wise work on the host -------------------------------------------------
+
+template <class T>
+using acc_t = typename Accumulator<T>::type;
+
+template <class T>
+inline acc_t<T> load(const T& x) {
+  if constexpr (kIsFloating<T>)
+    return static_cast<float>(x);
+  else
+    return x;
+}
+
+template <class T>
+inline T store(acc_t<T> x) {
+  if constexpr (kIsFloating<T>)
+    return convert<T>(x);
+  else
+    return x;
+}
+
+// out[i] = op over ranks k = 0..n-1 of in[k][i], for i in [begin, end), in that order.
+// The chunk keeps the partial results in L1 so out is written once.
+template <class T, class Reduce>
+void reduce_range(T* out, const T* const* in, int n, std::size_t begin, std::size_t end, Reduce reduce, ReduceOp op,
+                  int size) {
+  using A = acc_t<T>;
+  constexpr std::size_t kChunk = 1024;
+  alignas(kCacheLine) A acc[kChunk];
+  for (std::size_t c = begin; c < end; c += kChunk) {
+    const std::size_t len = std::min(kChunk, end - c);
+    const T* first = in[0] + c;
+    for (std::size_t i = 0; i < len; ++i) acc[i] = load(first[i]);
+    for (int k = 1; k < n; ++k) {
+      const T* src = in[k] + c;
+      for (std::size_t i = 0; i < len; ++i) acc[i] = reduce(acc[i], load(src[i]));
+    }
+    T* dst = out + c;
+    if (op == ReduceOp::avg) {
+      for (std::size_t i = 0; i < len; ++i) dst[i] = store<T>(finish(op, acc[i], size));
+    } else {
+      for (std::size_t i = 0; i < len; ++i) dst[i] = store<T>(acc[i]);
+    }
+  }
+}
+
+template <class T>
+void reduce_range(T* out, const T* const* in, int n, std::size_t begin, std::size_t end, ReduceOp op) {
+  using A = acc_t<T>;
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return reduce_range(out, in, n, begin, end, [](A a, A b) { return combine(ReduceOp::sum, a, b); }, op, n);
+    case ReduceOp::max:
+      return reduce_range(out, in, n, begin, end, [](A a, A b) { return b > a ? b : a; }, op, n);
+    case ReduceOp::min:
+      return reduce_range(out, in, n, begin, end, [](A a, A b) { return b < a ? b : a; }, op, n);
+  }
+}
+
+// [begin, end) of part `part` when `count` is split into `parts` nearly equal pieces.
+inline std::pair<std::size_t, std::size_t> split_range(std::size_t count, int parts, int part) {
+  const std::size_t p = static_cast<std::size_t>(parts), i = static_cast<std::size_t>(part);
+  return {count * i / p, count * (i + 1) / p};
+}
+
+// The asynchronous queue of one communicator: a thread that runs tasks in order.
+class Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void push(std::function<void()> task) {
+    {
+      std::lock_guard lock(mutex_);
+      tasks_.push_back(std::move(task));
+      ++pending_;
+    }
+    cv_.notify_all();
+  }
+  bool idle() {
+    std::lock_guard lock(mutex_);
+    return pending_ == 0;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();  // tasks catch their own exceptions into their Request
+      lock.lock();
+      --pending_;
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// What a Request waits on: a finished flag and the error, if any.
+struct Completion {
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+
+  // No deadline here: the operation itself times out and finishes with that error.
+  void wait_done(ThreadWorld& world) const {
+    world.wait_until([&] { return done.load(std::memory_order_acquire); }, std::chrono::steady_clock::time_point::max());
+  }
+};
+
+}  // namespace detail
+
+namespace detail {
+
+// One rank's endpoint in one group. Lives on the heap so that the worker's queued
+// tasks can keep pointing at it when the ThreadComm handle that owns it moves.
+class ThreadMember {
+ public:
+  ThreadMember(std::shared_ptr<ThreadGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  ~ThreadMember() { worker_.reset(); }  // queued work finishes before the state goes
+  ThreadMember(const ThreadMember&) = delete;
+  ThreadMember& operator=(const ThreadMember&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return group_->size; }
+  const GroupInfo& group() const { return group_->info; }
+  ThreadWorld& world() const { return *group_->world; }
+  const std::shared_ptr<ThreadWorld>& world_ptr() const { return group_->world; }
+
+  // Runs a collective inline when nothing is queued; otherwise behind the queue.
+  void run(const Op& op) {
+    if (!worker_ || worker_->idle()) {
+      execute(op);
+    } else {
+      auto done = start(op);
+      done->wait_done(world());
+      if (done->error) std::rethrow_exception(done->error);
+    }
+  }
+
+  // Queues a collective on the worker; the Completion reports its end and error.
+  std::shared_ptr<Completion> start(const Op& op) {
+    if (!worker_) worker_ = std::make_unique<Worker>();
+    auto completion = std::make_shared<Completion>();
+    worker_->push([this, op, completion] {
+      try {
+        execute(op);
+      } catch (...) {
+        completion->error = std::current_exception();
+      }
+      completion->done.store(true, std::memory_order_release);
+      group_->world->wake();
+    });
+    return completion;
+  }
+
+  // Members with the same color form a group, ordered by (key, rank). Collective.
+  std::shared_ptr<ThreadGroup> split(int color, int key, std::string name, int& child_rank) {
+    LLMPAR_CHECK(color >= 0, "split on ", group().describe(), ": color ", color, " is negative; use colors >= 0");
+    if (worker_ && !worker_->idle()) {  // whatever is queued goes first
+      auto done = start(Op{});
+      done->wait_done(world());
+    }
+    auto& me = slot(rank_);
+    me.color = color;
+    me.key = key;
+    me.split_child.reset();
+    Op op;  // checked like a barrier, plus the `splitting` flag
+    arrive(op, nullptr, true);
+    std::vector<int> members;
+    for (int r = 0; r < size(); ++r)
+      if (slot(r).color == color) members.push_back(r);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return slot(a).key < slot(b).key; });
+    const int leader = members.front();
+    child_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    if (leader == rank_) {
+      GroupInfo info;
+      info.name = std::move(name);
+      for (int r : members) info.world_ranks.push_back(group_->info.world_ranks[static_cast<std::size_t>(r)]);
+      me.split_child = std::make_shared<ThreadGroup>(group_->world, std::move(info));
+    }
+    sync(op, "split");
+    auto child = slot(leader).split_child;
+    sync(op, "split");
+    return child;
+  }
+
+  // Posts a send or receive in the pair's mailbox. Whoever arrives second checks that
+  // the pair matches and copies; the returned post completes when that happened.
+  std::shared_ptr<P2pPost> post(const Op& op) {
+    auto& w = world();
+    if (w.aborted.load()) w.throw_aborted();
+    const bool sending = op.kind == Collective::send;
+    const int peer = op.root;
+    auto mine = std::make_shared<P2pPost>();
+    mine->op = op;
+    mine->rank = rank_;
+    auto& box = sending ? group_->mailbox(rank_, peer) : group_->mailbox(peer, rank_);
+    std::shared_ptr<P2pPost> match;
+    {
+      std::lock_guard lock(box.mutex);
+      auto& theirs = sending ? box.recvs : box.sends;
+      if (theirs.empty()) {
+        (sending ? box.sends : box.recvs).push_back(mine);
+        return mine;
+      }
+      match = std::move(theirs.front());
+      theirs.pop_front();
+    }
+    const Op& s = sending ? op : match->op;
+    const Op& r = sending ? match->op : op;
+    std::string error;
+    if (s.type != r.type || s.count != r.count) {
+      error = concat(s.describe(), " by ", group().member(sending ? rank_ : peer), " does not match ", r.describe(),
+                     " by ", group().member(sending ? peer : rank_), " on ", group().describe(), ": the element ",
+                     s.type != r.type ? "types" : "counts", " differ");
+    } else if (s.count) {
+      std::memcpy(r.recv, s.send, s.count * size_of(s.type));
+    }
+    match->error = error;
+    mine->error = error;
+    match->done.store(true, std::memory_order_release);
+    mine->done.store(true, std::memory_order_release);
+    w.wake();
+    return mine;
+  }
+
+ private:
+  ThreadSlot& slot(int r) { return group_->slots[static_cast<std::size_t>(r)]; }
+
+  // Post op, wait for every member to reach the same epoch, verify they all agree.
+  void arrive(const Op& op, const void* send = nullptr, bool splitting = false) {
+    current_ = (epoch_ + 1) % 2;
+    slot(rank_).posts[current_] = ThreadPost{op, send, splitting};
+    sync(op, splitting ? "split" : nullptr);
+    const auto mine = op.fingerprint();
+    for (int r = 0; r < size(); ++r)
+      if (posted(r).op.fingerprint() != mine || posted(r).splitting != splitting) throw_mismatch(op, splitting);
+  }
+
+  // What member r posted for the operation in progress.
+  const ThreadPost& posted(int r) { return slot(r).posts[current_]; }
+
+  // A barrier among the members: every member's epoch reaches ours, or the timeout
+  // names the members that did not arrive.
+  void sync(const Op& op, const char* label = nullptr) {
+    auto& w = world();
+    if (w.aborted.load()) w.throw_aborted();
+    const std::uint64_t epoch = ++epoch_;
+    slot(rank_).epoch.store(epoch, std::memory_order_release);
+    w.wake();
+    const auto deadline = std::chrono::steady_clock::now() + w.options.timeout;
+    auto all_here = [&] {
+      for (int r = 0; r < size(); ++r)
+        if (slot(r).epoch.load(std::memory_order_acquire) < epoch) return false;
+      return true;
+    };
+    if (w.wait_until(all_here, deadline)) return;
+    std::string missing;
+    int count = 0;
+    for (int r = 0; r < size(); ++r)
+      if (slot(r).epoch.load() < epoch) missing += concat(count++ ? ", " : "", group().member(r));
+    const std::string message =
+        concat(label ? std::string(label) : op.describe(), " on ", group().describe(), " timed out after ",
+               w.options.timeout.count(), " ms waiting for ", missing, ", which did not arrive");
+    w.abort(message);
+    LLMPAR_FAIL(message);
+  }
+
+  [[noreturn]] void throw_mismatch(const Op& op, bool splitting) {
+    static constexpr const char* kField[] = {"collective", "element type", "element count", "reduction", "root"};
+    auto fields = [&](int r) {
+      auto f = posted(r).op.fingerprint();
+      if (posted(r).splitting) f[0] = -1;  // split is its own kind of collective
+      return f;
+    };
+    const auto reference = fields(0);
+    std::size_t field = 0;
+    for (int r = 0; r < size() && field == 0; ++r) {
+      const auto f = fields(r);
+      for (std::size_t i = 0; i < f.size(); ++i)
+        if (f[i] != reference[i]) {
+          field = i;
+          break;
+        }
+    }
+    std::string values;
+    for (int r = 0; r < size(); ++r) {
+      const Op& o = posted(r).op;
+      std::string value;
+      switch (field) {
+        case 0:
+          value = posted(r).splitting ? std::string("split") : std::string(name_of(o.kind));
+          break;
+        case 1:
+          value = std::string(name_of(o.type));
+          break;
+        case 2:
+          value = std::to_string(o.count);
+          break;
+        case 3:
+          value = has_reduction(o.kind) ? std::string(name_of(o.reduce)) : std::string("no reduction");
+          break;
+        default:
+          value = has_root(o.kind) ? std::to_string(o.root) : std::string("no root");
+      }
+      values += concat(r ? ", " : "", group().member(r), " has ", value);
+    }
+    const std::string message = concat(splitting ? std::string("split") : op.describe(), " on ", group().describe(),
+                                       ": ", kField[field], " differs between ranks: ", values);
+    // Everyone has read the slots before anyone reuses them; the group stays usable
+    // for the next, matching, operation.
+    sync(op);
+    LLMPAR_FAIL(message);
+  }
+
+  void execute(const Op& op) {
+    const int n = size();
+    switch (op.kind) {
+      case Collective::barrier:
+        arrive(op);
+        return;
+      case Collective::all_reduce:
+      case Collective::reduce:
+        return visit_dtype(op.type, [&](auto tag) { reduce_op<decltype(tag)>(op, n); });
+      case Collective::reduce_scatter:
+        return visit_dtype(op.type, [&](auto tag) { reduce_scatter_op<decltype(tag)>(op, n); });
+      case Collective::all_gather:
+      case Collective::broadcast:
+      case Collective::all_to_all:
+        return copy_op(op, n);
+      case Collective::send:
+      case Collective::recv:
+        break;
+    }
+    LLMPAR_FAIL("unreachable: ", op.describe(), " is not a collective");
+  }
+
+  // all_reduce and reduce.
+  template <class T>
+  void reduce_op(const Op& op, int n) {
+    const bool all = op.kind == Collective::all_reduce;
+    const std::size_t bytes = op.count * sizeof(T);
+    auto& me = slot(rank_);
+    const void* send = op.send;
+    const bool small = all && bytes <= kSmallMessageBytes;
+    if (small) {  // staged: every rank reduces the whole message itself
+      if (me.staging.size() < kSmallMessageBytes) me.staging.resize(kSmallMessageBytes);
+      if (bytes) std::memcpy(me.staging.data(), op.send, bytes);
+      send = me.staging.data();
+    }
+    arrive(op, send);
+    std::vector<const T*> in(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) in[static_cast<std::size_t>(r)] = static_cast<const T*>(posted(r).send);
+    if (small) {
+      reduce_range(static_cast<T*>(op.recv), in.data(), n, 0, op.count, op.reduce);
+      sync(op);
+      return;
+    }
+    // Rank r reduces slice r into its own output (all_reduce) or the root's (reduce).
+    T* out = static_cast<T*>(all ? op.recv : posted(op.root).op.recv);
+    const auto [begin, end] = split_range(op.count, n, rank_);
+    reduce_range(out, in.data(), n, begin, end, op.reduce);
+    sync(op);
+    if (all) {  // gather the other slices from their owners' outputs
+      for (int i = 1; i < n; ++i) {
+        const int owner = (rank_ + i) % n;
+        const auto [b, e] = split_range(op.count, n, owner);
+        if (e > b)
+          std::memcpy(static_cast<T*>(op.recv) + b, static_cast<const T*>(posted(owner).op.recv) + b, (e - b) * sizeof(T));
+      }
+      sync(op);
+    }
+  }
+
+  template <class T>
+  void reduce_scatter_op(const Op& op, int n) {
+    arrive(op, op.send);
+    std::vector<const T*> in(static_cast<std::size_t>(n));
+    const std::size_t offset = op.count * static_cast<std::size_t>(rank_);
+    for (int r = 0; r < n; ++r) in[static_cast<std::size_t>(r)] = static_cast<const T*>(posted(r).send) + offset;
+    reduce_range(static_cast<T*>(op.recv), in.data(), n, 0, op.count, op.reduce);
+    sync(op);
+  }
+
+  // all_gather, broadcast, all_to_all: each rank pulls what it needs.
+  void copy_op(const Op& op, int n) {
+    const std::size_t block = op.count * size_of(op.type);
+    const void* send = op.send;
+    if (op.kind == Collective::all_to_all && op.send == op.recv && block) {  // in place: others read our input
+      const std::size_t total = block * static_cast<std::size_t>(n);
+      if (scratch_.size() < total) scratch_.resize(total);
+      std::memcpy(scratch_.data(), op.send, total);
+      send = scratch_.data();
+    }
+    arrive(op, send);
+    auto* recv = static_cast<std::byte*>(op.recv);
+    if (block) {
+      switch (op.kind) {
+        case Collective::all_gather:
+          for (int i = 0; i < n; ++i) {
+            const int r = (rank_ + i) % n;
+            const auto* src = static_cast<const std::byte*>(posted(r).send);
+            std::byte* dst = recv + block * static_cast<std::size_t>(r);
+            if (src != dst) std::memcpy(dst, src, block);
+          }
+          break;
+        case Collective::broadcast:
+          if (rank_ != op.root) std::memcpy(recv, posted(op.root).send, block);
+          break;
+        case Collective::all_to_all:
+          for (int i = 0; i < n; ++i) {
+            const int r = (rank_ + i) % n;
+            const auto* src = static_cast<const std::byte*>(posted(r).send) + block * static_cast<std::size_t>(rank_);
+            std::memcpy(recv + block * static_cast<std::size_t>(r), src, block);
+          }
+          break;
+        default:
+          break;
+      }
+    }
+    sync(op);
+  }
+
+  std::shared_ptr<ThreadGroup> group_;
+  int rank_ = 0;
+  std::uint64_t epoch_ = 0;
+  std::size_t current_ = 0;  // which of the two posts the operation in progress uses
+  std::vector<std::byte> scratch_;
+  std::unique_ptr<Worker> worker_;  // last: destroyed first
+};
+
+}  // namespace detail
+
+// The handle of one rank in one group. Movable, not copyable; belongs to its rank.
+class ThreadComm : public Collectives<ThreadComm> {
+ public:
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& other) noexcept { *this = std::move(other); }
+    Request& operator=(Request&& other) noexcept {
+      if (this != &other) {
+        finish_quietly();
+        world_ = std::move(other.world_);
+        completion_ = std::move(other.completion_);
+        post_ = std::move(other.post_);
+        what_ = std::move(other.what_);
+        peer_ = std::move(other.peer_);
+        deadline_ = other.deadline_;
+      }
+      return *this;
+    }
+    ~Request() { finish_quietly(); }
+
+    // Blocks until the operation finished; throws its error.
+    void wait() {
+      if (completion_) {
+        auto c = std::move(completion_);
+        c->wait_done(*world_);
+        if (c->error) std::rethrow_exception(c->error);
+      }
+      if (post_) {
+        auto p = std::move(post_);
+        if (!world_->wait_until([&] { return p->done.load(std::memory_order_acquire); }, deadline_)) {
+          const std::string message =
+              detail::concat(what_, " timed out after ", world_->options.timeout.count(), " ms: ", peer_,
+                             " did not post the matching ", p->op.kind == Collective::send ? "recv" : "send");
+          world_->abort(message);
+          LLMPAR_FAIL(message);
+        }
+        if (!p->error.empty()) LLMPAR_FAIL(p->error);
+      }
+    }
+    // True (after rethrowing any error) once the operation finished.
+    bool test() {
+      if (completion_ && !completion_->done.load(std::memory_order_acquire)) return false;
+      if (post_ && !post_->done.load(std::memory_order_acquire)) return false;
+      wait();
+      return true;
+    }
+
+   private:
+    friend class ThreadComm;
+    void finish_quietly() noexcept {
+      if (!completion_ && !post_) return;
+      try {
+        wait();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "llmpar: an operation whose Request was never waited on failed: %s\n", e.what());
+      }
+    }
+
+    std::shared_ptr<detail::ThreadWorld> world_;
+    std::shared_ptr<detail::Completion> completion_;
+    std::shared_ptr<detail::P2pPost> post_;
+    std::string what_, peer_;
+    std::chrono::steady_clock::time_point deadline_{};
+  };
+
+  ThreadComm(std::shared_ptr<detail::ThreadGroup> group, int rank)
+      : member_(std::make_unique<detail::ThreadMember>(std::move(group), rank)) {}
+
+  int rank() const { return member_->rank(); }
+  int size() const { return member_->size(); }
+  const GroupInfo& group() const { return member_->group(); }
+  const ThreadOptions& options() const { return member_->world().options; }
+
+  void run(const Op& op) {
+    if (op.kind == Collective::send || op.kind == Collective::recv)
+      start(op).wait();
+    else
+      member_->run(op);
+  }
+
+  Request start(const Op& op) {
+    Request request;
+    request.world_ = member_->world_ptr();
+    if (op.kind == Collective::send || op.kind == Collective::recv)
+      post_p2p(op, request);
+    else
+      request.completion_ = member_->start(op);
+    return request;
+  }
+
+  ThreadComm split(int color, int key, std::string name) {
+    int child_rank = 0;
+    auto child = member_->split(color, key, std::move(name), child_rank);
+    return ThreadComm(std::move(child), child_rank);
+  }
+
+ private:
+  void post_p2p(const Op& op, Request& request) {
+    auto& world = member_->world();
+    request.post_ = member_->post(op);
+    request.what_ = detail::concat(op.describe(), " on ", group().describe(), " by ", group().member(rank()));
+    request.peer_ = group().member(op.root);
+    request.deadline_ = std::chrono::steady_clock::now() + world.options.timeout;
+  }
+
+  std::unique_ptr<detail::ThreadMember> member_;
+};
+
+// Runs body(ThreadComm& world) on `ranks` threads and returns when all have finished.
+// If a rank throws, the world is aborted (every other rank's pending or next operation
+// throws, naming that rank and its message) and the first rank's exception is
+// rethrown here, unchanged.
+template <class Body>
+void run_threads(int ranks, Body&& body, ThreadOptions options = {}) {
+  LLMPAR_CHECK(ranks >= 1, "the thread world needs at least one rank, got ", ranks, "; use --ranks 1 or more");
+  LLMPAR_CHECK(options.timeout.count() > 0, "the communication timeout must be positive, got ",
+               options.timeout.count(), " ms");
+  auto world = std::make_shared<detail::ThreadWorld>(options);
+  GroupInfo info;
+  info.name = "world";
+  info.world_ranks.resize(static_cast<std::size_t>(ranks));
+  std::iota(info.world_ranks.begin(), info.world_ranks.end(), 0);
+  auto group = std::make_shared<detail::ThreadGroup>(world, std::move(info));
+  const int omp_threads =
+      options.omp_threads_per_rank > 0 ? options.omp_threads_per_rank : std::max(1, omp_get_max_threads() / ranks);
+
+  std::mutex error_mutex;
+  std::exception_ptr first_error;
+  // The first failure is the cause; the others' errors ("the thread world was
+  // aborted: rank 3 failed: ...") are its consequences.
+  auto rank_main = [&](int rank) {
+    try {
+      omp_set_num_threads(omp_threads);
+      ThreadComm comm(group, rank);
+      body(comm);
+    } catch (...) {
+      std::string what = "an exception that is not a std::exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      std::lock_guard lock(error_mutex);
+      if (!first_error) {
+        first_error = std::current_exception();
+        world->abort(detail::concat("rank ", rank, " failed: ", what));
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(ranks - 1));
+  for (int r = 1; r < ranks; ++r) threads.emplace_back(rank_main, r);
+  rank_main(0);
+  for (auto& t : threads) t.join();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+}  // namespace llmpar::comm
