@@ -3,13 +3,15 @@
 // This engine is what the test suite and `--ranks N` runs use, so it is built to be
 // both fast and exactly reproducible:
 //
-// * Real algorithms, no rank-0 funnel. all_reduce is a reduce-scatter followed by an
+// * Real algorithms, no rank-0 funnel. all_reduce is a reduce-scatter fused with an
 //   all-gather: rank r reduces slice r of every rank's input (reading the other ranks'
-//   buffers in place), then every rank copies the finished slices it does not own.
-//   reduce, reduce_scatter, all_gather, broadcast and all_to_all likewise split the
-//   work so every rank moves about 1/N of the data. Small messages (under
-//   kSmallMessageBytes) are staged and reduced whole by every rank instead, which
-//   saves a round of synchronisation when latency, not bandwidth, is the cost.
+//   buffers in place) and writes the result straight into every rank's output, so
+//   each input is read once and each output written once, in one round; large
+//   messages are written with non-temporal stores. reduce, reduce_scatter,
+//   all_gather, broadcast and all_to_all likewise split the work so every rank moves
+//   about 1/N of the data. Small messages (under kSmallMessageBytes) are staged and
+//   reduced whole by every rank instead, which costs less when latency, not
+//   bandwidth, is what matters.
 // * A fixed reduction order: every element is reduced over ranks 0, 1, ..., N-1 in
 //   that order, in float for bf16/f16 (rounded once), by exactly one rank (or, for
 //   small messages, identically by every rank). Results are bitwise identical on every
@@ -223,14 +225,46 @@ inline T store(acc_t<T> x) {
     return x;
 }
 
-// out[i] = op over ranks k = 0..n-1 of in[k][i], for i in [begin, end), in that order.
-// The chunk keeps the partial results in L1 so out is written once.
+// Messages at least this large are written with non-temporal stores: they will not
+// fit in cache anyway, and streaming saves the read-for-ownership of every line.
+inline constexpr std::size_t kStreamingBytes = 4u << 20;
+
+// Copies bytes; with `streaming`, through non-temporal stores where the CPU has them
+// (the caller fences before publishing, see stream_fence).
+inline void copy_out(void* dst, const void* src, std::size_t bytes, bool streaming) {
+#if defined(__AVX__)
+  if (streaming) {
+    auto* d = static_cast<std::byte*>(dst);
+    const auto* s = static_cast<const std::byte*>(src);
+    const std::size_t head = std::min(bytes, (32 - reinterpret_cast<std::uintptr_t>(d) % 32) % 32);
+    std::memcpy(d, s, head);
+    std::size_t i = head;
+    for (; i + 32 <= bytes; i += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+    std::memcpy(d + i, s + i, bytes - i);
+    return;
+  }
+#endif
+  (void)streaming;
+  std::memcpy(dst, src, bytes);
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// For i in [begin, end): out[j][i] = op over ranks k = 0..n-1 of in[k][i], in that
+// order, for each of the n_out outputs. A chunk of results stays in L1 so that every
+// input is read once and every output written once.
 template <class T, class Reduce>
-void reduce_range(T* out, const T* const* in, int n, std::size_t begin, std::size_t end, Reduce reduce, ReduceOp op,
-                  int size) {
+void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size_t begin, std::size_t end,
+                  Reduce reduce, ReduceOp op, bool streaming) {
   using A = acc_t<T>;
-  constexpr std::size_t kChunk = 1024;
+  constexpr std::size_t kChunk = 2048;
   alignas(kCacheLine) A acc[kChunk];
+  alignas(kCacheLine) T result[kChunk];
   for (std::size_t c = begin; c < end; c += kChunk) {
     const std::size_t len = std::min(kChunk, end - c);
     const T* first = in[0] + c;
@@ -239,26 +273,30 @@ void reduce_range(T* out, const T* const* in, int n, std::size_t begin, std::siz
       const T* src = in[k] + c;
       for (std::size_t i = 0; i < len; ++i) acc[i] = reduce(acc[i], load(src[i]));
     }
-    T* dst = out + c;
     if (op == ReduceOp::avg) {
-      for (std::size_t i = 0; i < len; ++i) dst[i] = store<T>(finish(op, acc[i], size));
+      for (std::size_t i = 0; i < len; ++i) result[i] = store<T>(finish(op, acc[i], n));
     } else {
-      for (std::size_t i = 0; i < len; ++i) dst[i] = store<T>(acc[i]);
+      for (std::size_t i = 0; i < len; ++i) result[i] = store<T>(acc[i]);
     }
+    for (int j = 0; j < n_out; ++j) copy_out(out[j] + c, result, len * sizeof(T), streaming);
   }
+  if (streaming) stream_fence();
 }
 
 template <class T>
-void reduce_range(T* out, const T* const* in, int n, std::size_t begin, std::size_t end, ReduceOp op) {
+void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size_t begin, std::size_t end,
+                  ReduceOp op) {
   using A = acc_t<T>;
+  const bool streaming = (end - begin) * sizeof(T) * static_cast<std::size_t>(n) >= kStreamingBytes;
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      return reduce_range(out, in, n, begin, end, [](A a, A b) { return combine(ReduceOp::sum, a, b); }, op, n);
+      return reduce_range(
+          out, n_out, in, n, begin, end, [](A a, A b) { return combine(ReduceOp::sum, a, b); }, op, streaming);
     case ReduceOp::max:
-      return reduce_range(out, in, n, begin, end, [](A a, A b) { return b > a ? b : a; }, op, n);
+      return reduce_range(out, n_out, in, n, begin, end, [](A a, A b) { return b > a ? b : a; }, op, streaming);
     case ReduceOp::min:
-      return reduce_range(out, in, n, begin, end, [](A a, A b) { return b < a ? b : a; }, op, n);
+      return reduce_range(out, n_out, in, n, begin, end, [](A a, A b) { return b < a ? b : a; }, op, streaming);
   }
 }
 
@@ -558,7 +596,11 @@ class ThreadMember {
     LLMPAR_FAIL("unreachable: ", op.describe(), " is not a collective");
   }
 
-  // all_reduce and reduce.
+  // all_reduce and reduce. Rank r reduces slice r of every rank's input and writes it
+  // straight into every output (all_reduce: every rank's; reduce: the root's), so each
+  // input is read once and each output written once, in one round. In place is safe:
+  // only rank r reads or writes slice r of anyone's buffer, and it reads a chunk
+  // before it writes it.
   template <class T>
   void reduce_op(const Op& op, int n) {
     const bool all = op.kind == Collective::all_reduce;
@@ -566,7 +608,7 @@ class ThreadMember {
     auto& me = slot(rank_);
     const void* send = op.send;
     const bool small = all && bytes <= kSmallMessageBytes;
-    if (small) {  // staged: every rank reduces the whole message itself
+    if (small) {  // staged: every rank reduces the whole message itself, into its own output
       if (me.staging.size() < kSmallMessageBytes) me.staging.resize(kSmallMessageBytes);
       if (bytes) std::memcpy(me.staging.data(), op.send, bytes);
       send = me.staging.data();
@@ -574,25 +616,15 @@ class ThreadMember {
     arrive(op, send);
     std::vector<const T*> in(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) in[static_cast<std::size_t>(r)] = static_cast<const T*>(posted(r).send);
-    if (small) {
-      reduce_range(static_cast<T*>(op.recv), in.data(), n, 0, op.count, op.reduce);
-      sync(op);
-      return;
+    std::vector<T*> out;
+    if (small || !all) {
+      out.push_back(static_cast<T*>(small ? op.recv : posted(op.root).op.recv));
+    } else {
+      for (int i = 0; i < n; ++i) out.push_back(static_cast<T*>(posted((rank_ + i) % n).op.recv));
     }
-    // Rank r reduces slice r into its own output (all_reduce) or the root's (reduce).
-    T* out = static_cast<T*>(all ? op.recv : posted(op.root).op.recv);
-    const auto [begin, end] = split_range(op.count, n, rank_);
-    reduce_range(out, in.data(), n, begin, end, op.reduce);
+    const auto [begin, end] = small ? std::pair<std::size_t, std::size_t>{0, op.count} : split_range(op.count, n, rank_);
+    reduce_range(out.data(), static_cast<int>(out.size()), in.data(), n, begin, end, op.reduce);
     sync(op);
-    if (all) {  // gather the other slices from their owners' outputs
-      for (int i = 1; i < n; ++i) {
-        const int owner = (rank_ + i) % n;
-        const auto [b, e] = split_range(op.count, n, owner);
-        if (e > b)
-          std::memcpy(static_cast<T*>(op.recv) + b, static_cast<const T*>(posted(owner).op.recv) + b, (e - b) * sizeof(T));
-      }
-      sync(op);
-    }
   }
 
   template <class T>
@@ -601,7 +633,8 @@ class ThreadMember {
     std::vector<const T*> in(static_cast<std::size_t>(n));
     const std::size_t offset = op.count * static_cast<std::size_t>(rank_);
     for (int r = 0; r < n; ++r) in[static_cast<std::size_t>(r)] = static_cast<const T*>(posted(r).send) + offset;
-    reduce_range(static_cast<T*>(op.recv), in.data(), n, 0, op.count, op.reduce);
+    T* out = static_cast<T*>(op.recv);
+    reduce_range(&out, 1, in.data(), n, 0, op.count, op.reduce);
     sync(op);
   }
 
