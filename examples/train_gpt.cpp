@@ -4,6 +4,12 @@
 //
 //   train_gpt                                  # gpt2-tiny on fortunes, about a minute
 //   train_gpt --model gpt2-124m --data 'data/fineweb_train_*.bin' --batch 4 --seq 64
+//   train_gpt --ranks 2 --batch 8              # two ranks (threads), each 8 rows
+//   mpirun -np 2 train_gpt --batch 8           # the same with two processes
+//
+// With several ranks each one holds the whole model and reads its own rows of every
+// global batch; gradients and losses are averaged over the ranks, so --ranks N with
+// --batch B trains exactly as one rank with --batch N*B. Rank 0 prints and writes.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
@@ -46,7 +52,11 @@ std::string default_val_pattern(const std::string& train) {
   return train.substr(0, pos) + "val" + train.substr(pos + 5);
 }
 
-int run(const Options& o) {
+int run(const Options& o, comm::Comm& world, double peak) {
+  const bool lead = world.rank() == 0;
+  auto say = [&](auto... args) {
+    if (lead) std::printf(args...);
+  };
   LLMPAR_CHECK(o.precision == "fp32", "--precision ", o.precision, " is not available; this build trains in fp32");
   models::GPT2Config cfg = models::GPT2Config::preset(o.model);
   if (o.layers) cfg.layers = *o.layers;
@@ -65,7 +75,7 @@ int run(const Options& o) {
   std::optional<data::TokenDataset> train_set, val_set;
   if (o.data.empty()) {
     const data::TextCorpus corpus = data::load_text_corpus();
-    std::printf("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
+    say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
                 corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
                 static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
     LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
@@ -76,7 +86,7 @@ int run(const Options& o) {
     train_set.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
     val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? default_val_pattern(o.data) : o.val_data,
                                                     static_cast<int>(cfg.vocab)));
-    std::printf("data: %lld train tokens in %zu shards, %lld val tokens\n",
+    say("data: %lld train tokens in %zu shards, %lld val tokens\n",
                 static_cast<long long>(train_set->num_tokens()), train_set->num_shards(),
                 static_cast<long long>(val_set->num_tokens()));
   }
@@ -84,23 +94,27 @@ int run(const Options& o) {
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
   train_lc.seed = o.seed;
+  train_lc.rank = world.rank();
+  train_lc.world = world.size();
+  data::LoaderConfig val_lc = lc;
+  val_lc.rank = world.rank();
+  val_lc.world = world.size();
   data::DataLoader train_loader(*train_set, train_lc);
-  data::DataLoader val_loader(*val_set, lc);
+  data::DataLoader val_loader(*val_set, val_lc);
 
   backend::cpu::Context ctx;
   models::GPT2<float> model(cfg, o.seed);
-  const double peak = o.peak_gflops > 0.0 ? o.peak_gflops : backend::cpu::measure_sgemm_peak_gflops(ctx);
-  std::printf("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
+  say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
               static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
               static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
               static_cast<double>(model.num_parameters()) * 1e-6);
-  std::printf(
-      "train: %lld steps, batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
-      "MFU against measured sgemm peak %.1f GFLOP/s\n",
-      static_cast<long long>(o.steps), static_cast<long long>(o.batch), static_cast<long long>(seq),
-      static_cast<long long>(o.grad_accum), static_cast<double>(o.lr), static_cast<long long>(warmup), peak);
+  say("train: %lld steps, %d rank%s (%s) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
+      "MFU against sgemm peak %.1f GFLOP/s\n",
+      static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "", std::string(world.engine_name()).c_str(),
+      static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
+      static_cast<double>(o.lr), static_cast<long long>(warmup), peak);
 
-  train::MetricsWriter metrics(o.metrics);
+  train::MetricsWriter metrics(lead ? o.metrics : std::string());
   metrics.write({{"type", "config"},
                  {"model", o.model},
                  {"layers", cfg.layers},
@@ -110,6 +124,7 @@ int run(const Options& o) {
                  {"vocab", cfg.vocab},
                  {"padded_vocab", cfg.padded_vocab},
                  {"parameters", model.num_parameters()},
+                 {"ranks", world.size()},
                  {"batch", o.batch},
                  {"grad_accum", o.grad_accum},
                  {"steps", o.steps},
@@ -122,24 +137,25 @@ int run(const Options& o) {
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
   train::Trainer<models::GPT2<float>> trainer(ctx, model, opt, schedule, train_loader,
-                                              {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak});
+                                              {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak},
+                                              &world);
   // Never count a validation batch twice: at most one pass over the validation data.
   const std::int64_t eval_batches = std::min(o.eval_batches, val_loader.batches_per_epoch());
   auto run_eval = [&](std::int64_t step) {
     const double val = trainer.evaluate(val_loader, eval_batches);
     val_loader.reset();
-    std::printf("step %5lld | val loss %.4f\n", static_cast<long long>(step), val);
+    say("step %5lld | val loss %.4f\n", static_cast<long long>(step), val);
     metrics.write({{"type", "eval"}, {"step", step}, {"val_loss", val}});
   };
   if (o.eval_every > 0) run_eval(0);
   trainer.fit([&](const train::StepStats& s) {
-    std::printf("%s\n", train::format_step(s, o.steps).c_str());
-    std::fflush(stdout);
+    say("%s\n", train::format_step(s, o.steps).c_str());
+    if (lead) std::fflush(stdout);
     metrics.write_step(s);
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
   });
 
-  if (o.sample_tokens > 0) {
+  if (o.sample_tokens > 0 && lead) {
     LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256,
                  "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
                  "for models whose data used another tokenizer");
@@ -158,6 +174,13 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::optional<Launch> launch;
+  try {
+    launch.emplace(init(argc, argv));  // reads --ranks/--comm-* and the MPI launch
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
+    return 1;
+  }
   Options o;
   CLI::App app{"train_gpt: train a GPT-2 with llmpar"};
   app.add_option("--model", o.model, "Preset: gpt2-tiny (byte vocabulary) or gpt2-124m")->capture_default_str();
@@ -187,9 +210,26 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();
   app.add_option("--prompt", o.prompt, "Text the sample starts from")->capture_default_str();
   app.add_option("--peak-gflops", o.peak_gflops, "MFU denominator (default: measure sgemm at start)");
+  app.footer(
+      "Ranks (read before the options above):\n"
+      "  --ranks N              Train on N ranks, as threads of this process (default 1)\n"
+      "  --comm-timeout SEC     Fail, naming the missing ranks, when a collective waits this long (default 300)\n"
+      "  --comm-verify          Check that every MPI rank issues the same collective (always on for threads)\n"
+      "  Under mpirun/srun there is one rank per process instead.");
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(o);
+    // The sgemm peak of this process's cores, times the processes (thread ranks share one).
+    double peak = o.peak_gflops;
+    if (peak <= 0.0) {
+      backend::cpu::Context ctx;
+      peak = backend::cpu::measure_sgemm_peak_gflops(ctx) * (launch->engine() == Engine::mpi ? launch->world_size() : 1);
+    }
+    int status = 0;
+    launch->run([&](comm::Comm& world) {
+      const int rc = run(o, world, peak);
+      if (world.rank() == 0) status = rc;
+    });
+    return status;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
     return 1;

@@ -8,6 +8,9 @@
 #   missing-data  a glob that matches nothing names the pattern and how to make shards
 #   corrupt-shard a text file passed as a shard names the file and the wrong magic
 #   bad-config    a dim that heads does not divide names both values
+#   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
+#                 losses step by step (replicas average gradients); bad --ranks is named
+#   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
 set -euo pipefail
 bin="$1" work="$2" case="$3"
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
@@ -52,6 +55,32 @@ case "$case" in
     ;;
   bad-config)
     expect_error "dim 100 is not divisible by heads 12" "$bin/train_gpt" --heads 12 --dim 100
+    ;;
+  ranks | mpi)
+    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 0 --peak-gflops 50 --no-shuffle)
+    "$bin/train_gpt" "${common[@]}" --batch 8 --metrics one.jsonl | tee one.txt
+    if [[ "$case" == ranks ]]; then
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --batch 4 --metrics two.jsonl | tee two.txt
+      grep -q '2 ranks (thread)' two.txt || fail "train_gpt --ranks 2 did not run two thread ranks"
+    else
+      read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
+      "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --batch 4 --metrics two.jsonl | tee two.txt
+      grep -q '2 ranks (mpi)' two.txt || fail "mpirun -np 2 train_gpt did not run two MPI ranks"
+    fi
+    losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
+    [[ $(losses one.jsonl | wc -l) == 5 ]] || fail "one.jsonl lacks 5 step losses"
+    # fp32, different summation orders: equal to 1e-5 relative.
+    paste <(losses one.jsonl) <(losses two.jsonl) | awk '{
+        d = $1 - $2; if (d < 0) d = -d
+        if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (2 ranks)"; bad = 1 }
+      } END { exit bad }' || fail "2 ranks did not reproduce the 1-rank losses"
+    val1=$(grep 'val loss' one.txt | tail -1 | awk '{print $NF}')
+    val2=$(grep 'val loss' two.txt | tail -1 | awk '{print $NF}')
+    awk -v a="$val1" -v b="$val2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-4 * a) }' ||
+      fail "validation loss $val1 (1 rank) vs $val2 (2 ranks)"
+    if [[ "$case" == ranks ]]; then
+      expect_error "--ranks 0 is not a positive whole number" "$bin/train_gpt" --ranks 0
+    fi
     ;;
   *) fail "unknown case '$case'" ;;
 esac

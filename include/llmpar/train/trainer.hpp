@@ -3,16 +3,25 @@
 //
 // The loop is a template over the model so that any type with forward/backward/
 // zero_grad/parameter_store trains; the example trainers and the tests drive it the
-// same way. Nothing here is global: the context, the model, the loaders and the
-// configs are all passed in.
+// same way. Nothing here is global: the context, the model, the loaders, the configs
+// and the communicator are all passed in.
+//
+// Replicas: given a communicator over ranks that hold the same model (each reading its
+// own rows of the global batch, see data::DataLoader), the trainer averages gradients
+// and losses over it before the optimizer step, so N ranks with batch B compute the
+// run one rank computes with batch N*B. This is plain replication — every rank keeps
+// the whole optimizer state; sharding it is what the data-parallel strategies add.
 #pragma once
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <array>
 #include <functional>
+#include <span>
 
 #include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/optim/adamw.hpp"
@@ -36,16 +45,25 @@ struct TrainerConfig {
 template <class Model>
 class Trainer {
  public:
+  // `replicas`: the ranks holding copies of this model (nullptr: this rank alone).
   Trainer(backend::cpu::Context& ctx, Model& model, const optim::AdamWConfig& opt,
-          const optim::CosineSchedule& schedule, data::DataLoader& train, const TrainerConfig& cfg)
+          const optim::CosineSchedule& schedule, data::DataLoader& train, const TrainerConfig& cfg,
+          comm::Comm* replicas = nullptr)
       : ctx_(ctx),
         model_(model),
         optimizer_(model.parameter_store(), opt),
         schedule_(schedule),
         train_(train),
-        cfg_(cfg) {
+        cfg_(cfg),
+        replicas_(replicas && replicas->size() > 1 ? replicas : nullptr) {
     cfg.validate();
     schedule.validate();
+    if (replicas_) {
+      LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
+                   "the training loader reads as rank ", train.config().rank, " of ", train.config().world,
+                   " but the replicas are rank ", replicas_->rank(), " of ", replicas_->size(),
+                   "; build its LoaderConfig with the replicas' rank and size");
+    }
   }
 
   // One optimizer step over grad_accum micro-batches.
@@ -62,6 +80,11 @@ class Trainer {
       model_.backward(ctx_);
     }
     loss /= static_cast<double>(cfg_.grad_accum);
+    if (replicas_) {
+      auto& store = model_.parameter_store();
+      replicas_->all_reduce(std::span<float>(store.grads(), store.flat_size()), comm::ReduceOp::avg);
+      loss = average(loss);
+    }
     LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
                  "; lower --lr, raise --warmup, or check the data");
     const float lr = schedule_(step_);
@@ -74,7 +97,7 @@ class Trainer {
     s.lr = lr;
     s.grad_norm = norm;
     s.ms = 1e3 * seconds;
-    const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum);
+    const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum * (replicas_ ? replicas_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
       const auto& mc = model_.config();
@@ -93,7 +116,8 @@ class Trainer {
       const data::Batch b = loader.next();
       sum += model_.evaluate(ctx_, b.inputs.data, b.targets.data, lc.batch_size, lc.seq_len);
     }
-    return sum / static_cast<double>(batches);
+    const double mean = sum / static_cast<double>(batches);
+    return replicas_ && loader.config().world == replicas_->size() ? average(mean) : mean;
   }
 
   // Runs the remaining steps, calling on_step after each.
@@ -105,12 +129,20 @@ class Trainer {
   optim::AdamW<float>& optimizer() { return optimizer_; }
 
  private:
+  // The mean of a per-rank value over the replicas (in float, like the losses).
+  double average(double v) {
+    std::array<float, 1> x{static_cast<float>(v)};
+    replicas_->all_reduce(x, comm::ReduceOp::avg);
+    return x[0];
+  }
+
   backend::cpu::Context& ctx_;
   Model& model_;
   optim::AdamW<float> optimizer_;
   optim::CosineSchedule schedule_;
   data::DataLoader& train_;
   TrainerConfig cfg_;
+  comm::Comm* replicas_;
   std::int64_t step_ = 0;
 };
 
