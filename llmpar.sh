@@ -23,6 +23,7 @@ set -euo pipefail
 LLMPAR_PACKAGES=(
   cmake g++ ninja-build
   libdnnl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
+  libopenmpi-dev openmpi-bin
   fortunes
 )
 

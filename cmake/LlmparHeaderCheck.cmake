@@ -3,14 +3,27 @@
 # plus one that includes them all and links them into one program, which catches a
 # non-inline definition in a header as a duplicate symbol. Compiled with the project's
 # warnings (and -Werror where enabled) but without optimisation: this checks the
-# headers, not code generation. CUDA-only headers (backend/cuda/) are compiled by nvcc
-# in header_check_cuda when the CUDA backend is built.
+# headers, not code generation. CUDA-only headers (backend/cuda/, and comm/nccl_comm.hpp
+# where NCCL is enabled) are compiled by nvcc in header_check_cuda when the CUDA backend
+# is built.
 file(GLOB_RECURSE llmpar_public_headers CONFIGURE_DEPENDS
   RELATIVE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/include/llmpar/*.hpp)
 list(SORT llmpar_public_headers)
 set(llmpar_cuda_headers ${llmpar_public_headers})
 list(FILTER llmpar_cuda_headers INCLUDE REGEX "^llmpar/backend/cuda/")
 list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/backend/cuda/")
+# comm/mpi_comm.hpp needs mpi.h, which the llmpar target provides only with LLMPAR_MPI.
+if(NOT LLMPAR_MPI)
+  list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/mpi_comm\\.hpp$")
+  message(STATUS "header_check: llmpar/comm/mpi_comm.hpp skipped (LLMPAR_MPI is OFF, so there is no mpi.h)")
+endif()
+# comm/nccl_comm.hpp needs CUDA, NCCL and MPI (llmpar::cuda with LLMPAR_NCCL): it is checked
+# with the CUDA headers, by nvcc and, as trainers include it from .cpp files too, by the
+# C++ compiler.
+list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/nccl_comm\\.hpp$")
+if(LLMPAR_NCCL)
+  list(APPEND llmpar_cuda_headers llmpar/comm/nccl_comm.hpp)
+endif()
 
 set(header_check_dir ${CMAKE_CURRENT_BINARY_DIR}/header_check_sources)
 
@@ -44,6 +57,10 @@ target_compile_options(header_check PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O0>)
 
 if(LLMPAR_CUDA AND llmpar_cuda_headers)
   llmpar_header_sources(header_check_cuda_sources cu ${llmpar_cuda_headers})
+  if(LLMPAR_NCCL)
+    llmpar_header_sources(header_check_nccl_sources cpp llmpar/comm/nccl_comm.hpp)
+    list(APPEND header_check_cuda_sources ${header_check_nccl_sources})
+  endif()
   add_library(header_check_cuda OBJECT ${header_check_cuda_sources})
   target_link_libraries(header_check_cuda PRIVATE llmpar::cuda llmpar_build_options)
 endif()

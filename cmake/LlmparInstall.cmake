@@ -19,6 +19,10 @@ install(EXPORT llmparTargets NAMESPACE llmpar:: DESTINATION ${LLMPAR_INSTALL_CMA
 if(TARGET llmpar_cuda)
   install(TARGETS llmpar_cuda EXPORT llmparCudaTargets)
   install(EXPORT llmparCudaTargets NAMESPACE llmpar:: DESTINATION ${LLMPAR_INSTALL_CMAKEDIR})
+  # llmpar::cuda links NCCL::nccl, which the config makes with this module.
+  if(LLMPAR_NCCL)
+    install(FILES cmake/FindNCCL.cmake DESTINATION ${LLMPAR_INSTALL_CMAKEDIR})
+  endif()
 endif()
 
 configure_package_config_file(cmake/llmparConfig.cmake.in

@@ -2,6 +2,11 @@
 #pragma once
 
 #include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/comm/communicator.hpp"
+#include "llmpar/comm/grid.hpp"
+#include "llmpar/comm/init.hpp"
+#include "llmpar/comm/thread_comm.hpp"
+#include "llmpar/comm/types.hpp"
 #include "llmpar/config.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"

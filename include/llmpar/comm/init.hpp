@@ -10,8 +10,10 @@
 //
 // * `--ranks N` (or nothing, for one rank): N ranks as threads of this process.
 // * Started by mpirun/srun (their environment variables say so): one rank per process
-//   over MPI; `run` calls the body once. With the CUDA backend (InitOptions::device)
-//   and more than one process, NCCL carries the collectives, bootstrapped over MPI.
+//   over MPI; `run` calls the body once.
+// * With the CUDA backend (InitOptions::device = Device::cuda), NCCL carries the
+//   collectives on device buffers, one process per GPU, bootstrapped over MPI (a
+//   process started without mpirun is a world of one).
 //
 // Thread ranks cannot share the rest of main() the way processes do, which is why the
 // per-rank part of a trainer is a body passed to run(): the same code then runs on
@@ -39,6 +41,9 @@
 #if defined(LLMPAR_WITH_MPI)
 #include "llmpar/comm/mpi_comm.hpp"
 #endif
+#if defined(LLMPAR_WITH_NCCL)
+#include "llmpar/comm/nccl_comm.hpp"
+#endif
 
 namespace llmpar {
 
@@ -47,7 +52,9 @@ namespace comm {
 // The communicator an engine chosen at run time provides.
 class Comm : public Collectives<Comm> {
  public:
-#if defined(LLMPAR_WITH_MPI)
+#if defined(LLMPAR_WITH_NCCL)
+  using Impl = std::variant<ThreadComm, MpiComm, NcclComm>;
+#elif defined(LLMPAR_WITH_MPI)
   using Impl = std::variant<ThreadComm, MpiComm>;
 #else
   using Impl = std::variant<ThreadComm>;
@@ -55,7 +62,9 @@ class Comm : public Collectives<Comm> {
 
   class Request {
    public:
-#if defined(LLMPAR_WITH_MPI)
+#if defined(LLMPAR_WITH_NCCL)
+    using Impl = std::variant<ThreadComm::Request, MpiComm::Request, NcclComm::Request>;
+#elif defined(LLMPAR_WITH_MPI)
     using Impl = std::variant<ThreadComm::Request, MpiComm::Request>;
 #else
     using Impl = std::variant<ThreadComm::Request>;
@@ -101,7 +110,10 @@ class Comm : public Collectives<Comm> {
   Engine* get() {
     return std::get_if<Engine>(&impl_);
   }
-  std::string_view engine_name() const { return impl_.index() == 0 ? "thread" : "mpi"; }
+  std::string_view engine_name() const {
+    constexpr std::string_view kNames[] = {"thread", "mpi", "nccl"};
+    return kNames[impl_.index()];
+  }
 
  private:
   Impl impl_;
@@ -111,10 +123,12 @@ static_assert(Communicator<Comm>);
 
 }  // namespace comm
 
-enum class Engine { thread, mpi };
+enum class Engine { thread, mpi, nccl };
 enum class Device { cpu, cuda };
 
-constexpr std::string_view name_of(Engine e) { return e == Engine::thread ? "thread" : "mpi"; }
+constexpr std::string_view name_of(Engine e) {
+  return e == Engine::thread ? "thread" : e == Engine::mpi ? "mpi" : "nccl";
+}
 
 struct InitOptions {
   Device device = Device::cpu;
@@ -147,6 +161,16 @@ class Launch {
           thread_options);
       return;
     }
+#if defined(LLMPAR_WITH_NCCL)
+    if (engine_ == Engine::nccl) {
+      comm::NcclOptions nccl_options;
+      nccl_options.timeout = options_.timeout;
+      nccl_options.verify = options_.verify;
+      comm::Comm any(comm::NcclComm(MPI_COMM_WORLD, comm::NcclComm::local_device(MPI_COMM_WORLD), nccl_options));
+      body(any);
+      return;
+    }
+#endif
 #if defined(LLMPAR_WITH_MPI)
     comm::MpiOptions mpi_options;
     mpi_options.timeout = options_.timeout;
@@ -223,22 +247,30 @@ inline Launch init(int& argc, char** argv, InitOptions options = {}) {
   LLMPAR_CHECK(options.ranks >= 1, "ranks = ", options.ranks, " is not a number of ranks; use 1 or more");
 
 #if defined(LLMPAR_WITH_MPI)
-  if (comm::launched_by_mpi()) {
+  const bool cuda = options.device == Device::cuda;
+  LLMPAR_CHECK(!cuda || options.ranks == 1, "--ranks ", options.ranks,
+               " asks for thread ranks, but the CUDA backend runs one process per GPU: start it with mpirun -np ",
+               options.ranks, " ... and without --ranks");
+  if (comm::launched_by_mpi() || cuda) {
+#if !defined(LLMPAR_WITH_NCCL)
+    LLMPAR_CHECK(!cuda, "the CUDA backend communicates through NCCL, and this build has none; build with the CUDA "
+                        "toolkit's NCCL and MPI (LLMPAR_NCCL=ON)");
+#endif
     launch.mpi_ = std::make_shared<comm::MpiEnvironment>(argc, argv);
-    launch.engine_ = Engine::mpi;
+    launch.engine_ = cuda ? Engine::nccl : Engine::mpi;
     int size = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     LLMPAR_CHECK(!ranks || options.ranks == 1, "--ranks ", options.ranks,
-                 " asks for thread ranks, but this program was started by an MPI launcher with ", size,
-                 " processes: use one or the other (mpirun -np ", size * options.ranks, " ... without --ranks)");
+                 " asks for thread ranks, but this program was started by an MPI launcher with ", size, " process",
+                 size > 1 ? "es" : "", ": start it with mpirun -np ", size * options.ranks, " ... and without --ranks");
     launch.world_size_ = size;
     launch.options_ = options;
     return launch;
   }
+#else
+  LLMPAR_CHECK(options.device == Device::cpu, "the CUDA backend communicates through NCCL, bootstrapped over MPI, "
+                                              "and this build has no MPI; install libopenmpi-dev and rebuild");
 #endif
-  LLMPAR_CHECK(options.device == Device::cpu || options.ranks == 1,
-               "--ranks ", options.ranks, " runs ranks as threads, which the CUDA backend does not do; start one "
-               "process per GPU with mpirun -np ", options.ranks);
   launch.engine_ = Engine::thread;
   launch.world_size_ = options.ranks;
   launch.options_ = options;
