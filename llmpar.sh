@@ -2,6 +2,7 @@
 # llmpar.sh — one entry point for building and using llmpar on Debian/Ubuntu.
 #
 #   ./llmpar.sh train [train_gpt flags...]   build, then run build/examples/train_gpt
+#                                            (--np N: as N MPI processes, through mpirun)
 #   ./llmpar.sh test  [ctest args...]        build everything, run the whole test suite
 #   ./llmpar.sh bench [benchmark args...]    build, run every benchmarks/bench_* program
 #                                            (and benchmarks/pytorch_step.py if torch is there)
@@ -96,11 +97,40 @@ setup() {
 
 cmd_train() {
   [[ -f "$root/examples/train_gpt.cpp" ]] || die "examples/train_gpt.cpp does not exist: nothing to train with"
+  # --np N runs N processes under mpirun; the other flags go to train_gpt.
+  local np="" args=()
+  while (($# > 0)); do
+    case "$1" in
+      --np) (($# >= 2)) || die "--np needs a number of processes, e.g. --np 2"; np="$2"; shift 2 ;;
+      --np=*) np="${1#--np=}"; shift ;;
+      *) args+=("$1"); shift ;;
+    esac
+  done
+  [[ -z "$np" || "$np" =~ ^[1-9][0-9]*$ ]] || die "--np $np is not a number of processes; use e.g. --np 2"
   setup
   build --target train_gpt
   local binary="$build_dir/examples/train_gpt"
   [[ -x "$binary" ]] || die "$binary was not built (is LLMPAR_BUILD_EXAMPLES off?)"
-  exec "$binary" "$@"
+  if [[ -z "$np" ]]; then
+    exec "$binary" "${args[@]}"
+  fi
+  command -v mpirun >/dev/null 2>&1 || die "--np needs mpirun (Debian: openmpi-bin)"
+  mpi_environment "$np"
+  exec mpirun -np "$np" "$binary" "${args[@]}"
+}
+
+# Open MPI refuses to run as root, or more processes than cores, unless told: the
+# scripts tell it (users' code never has to), and each process gets its share of cores.
+mpi_environment() {
+  local np="$1" cores
+  cores="$(nproc 2>/dev/null || echo 1)"
+  if ((EUID == 0)); then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  fi
+  if ((np > cores)); then
+    export OMPI_MCA_rmaps_base_oversubscribe=1
+  fi
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(((cores / np) > 0 ? cores / np : 1))}"
 }
 
 cmd_test() {

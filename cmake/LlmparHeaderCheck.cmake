@@ -12,10 +12,12 @@ list(SORT llmpar_public_headers)
 set(llmpar_cuda_headers ${llmpar_public_headers})
 list(FILTER llmpar_cuda_headers INCLUDE REGEX "^llmpar/backend/cuda/")
 list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/backend/cuda/")
-# comm/mpi_comm.hpp needs mpi.h, which the llmpar target provides only with LLMPAR_MPI.
+# comm/mpi_comm.hpp and the MPI machinery it shares with NcclComm (comm/detail/mpi.hpp)
+# need mpi.h, which the llmpar target provides only with LLMPAR_MPI.
 if(NOT LLMPAR_MPI)
-  list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/mpi_comm\\.hpp$")
-  message(STATUS "header_check: llmpar/comm/mpi_comm.hpp skipped (LLMPAR_MPI is OFF, so there is no mpi.h)")
+  list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/(mpi_comm|detail/mpi)\\.hpp$")
+  message(STATUS "header_check: llmpar/comm/mpi_comm.hpp and llmpar/comm/detail/mpi.hpp skipped (LLMPAR_MPI is "
+    "OFF, so there is no mpi.h)")
 endif()
 # comm/nccl_comm.hpp needs CUDA, NCCL and MPI (llmpar::cuda with LLMPAR_NCCL): it is checked
 # with the CUDA headers, by nvcc and, as trainers include it from .cpp files too, by the

@@ -6,8 +6,10 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -40,6 +42,20 @@ std::vector<comm::detail::VerifyRow> rows_of(const std::vector<Op>& ops) {
   for (const Op& op : ops)
     rows.push_back(comm::detail::verify_row(op, comm::detail::kUsable, comm::detail::kUsable, 0));
   return rows;
+}
+
+// verify_message over the rows, as the control channel gathers them (one after another).
+std::string message_of(const Op& mine, const GroupInfo& group, const std::vector<comm::detail::VerifyRow>& rows) {
+  std::vector<std::int64_t> table;
+  for (const auto& row : rows) table.insert(table.end(), row.begin(), row.end());
+  return comm::detail::verify_message(mine, group, table);
+}
+
+// Verify mode's exchange of a collective's row, as NcclComm runs it.
+comm::detail::mpi::ControlOutcome verify(comm::detail::mpi::Channel& channel, const Op& op, const GroupInfo& group,
+                                         const comm::detail::VerifyRow& row, std::uint64_t number,
+                                         comm::detail::Clock::time_point deadline) {
+  return channel.verify(op, group, row, comm::detail::kFingerprintFields.size(), 2, number, deadline);
 }
 
 // MPI_COMM_WORLD (MPI is initialised by the MPI doctest main: a singleton without mpirun).
@@ -76,36 +92,35 @@ TEST_SUITE("nccl host") {
   TEST_CASE("verify_message is empty when every rank issues the same operation") {
     const Op op = make_op(Collective::all_reduce, DType::f32, 1024);
     const auto rows = rows_of({op, op, op});
-    CHECK(comm::detail::verify_message(op, group_of("world", {0, 1, 2}), rows).empty());
+    CHECK(message_of(op, group_of("world", {0, 1, 2}), rows).empty());
   }
 
   TEST_CASE("verify_message names the first field that differs and every rank's value, as the CPU engines do") {
     const GroupInfo world = group_of("world", {0, 1});
     const Op a = make_op(Collective::all_reduce, DType::f32, 1024);
-    CHECK(comm::detail::verify_message(a, world, rows_of({a, make_op(Collective::all_reduce, DType::f32, 1000)})) ==
+    CHECK(message_of(a, world, rows_of({a, make_op(Collective::all_reduce, DType::f32, 1000)})) ==
           "all_reduce on group 'world' (world ranks 0, 1): element count differs between ranks: rank 0 has 1024, "
           "rank 1 has 1000");
     // The collective itself first: the other fields mean nothing when it differs.
-    CHECK(comm::detail::verify_message(a, world, rows_of({a, make_op(Collective::broadcast, DType::bf16, 7)})) ==
+    CHECK(message_of(a, world, rows_of({a, make_op(Collective::broadcast, DType::bf16, 7)})) ==
           "all_reduce on group 'world' (world ranks 0, 1): collective differs between ranks: rank 0 has all_reduce, "
           "rank 1 has broadcast");
-    CHECK(comm::detail::verify_message(a, world, rows_of({a, make_op(Collective::all_reduce, DType::bf16, 1024)})) ==
+    CHECK(message_of(a, world, rows_of({a, make_op(Collective::all_reduce, DType::bf16, 1024)})) ==
           "all_reduce on group 'world' (world ranks 0, 1): element type differs between ranks: rank 0 has f32, "
           "rank 1 has bf16");
-    CHECK(comm::detail::verify_message(
-              a, world, rows_of({a, make_op(Collective::all_reduce, DType::f32, 1024, ReduceOp::avg)})) ==
+    CHECK(message_of(a, world, rows_of({a, make_op(Collective::all_reduce, DType::f32, 1024, ReduceOp::avg)})) ==
           "all_reduce on group 'world' (world ranks 0, 1): reduction differs between ranks: rank 0 has sum, "
           "rank 1 has avg");
     const Op b0 = make_op(Collective::broadcast, DType::i64, 8, ReduceOp::sum, 0);
     const Op b1 = make_op(Collective::broadcast, DType::i64, 8, ReduceOp::sum, 1);
-    CHECK(comm::detail::verify_message(b0, world, rows_of({b0, b1})) ==
+    CHECK(message_of(b0, world, rows_of({b0, b1})) ==
           "broadcast on group 'world' (world ranks 0, 1): root differs between ranks: rank 0 has 0, rank 1 has 1");
   }
 
   TEST_CASE("verify_message names the members of a subgroup by group and world rank") {
     const GroupInfo tp = group_of("tp[1]", {2, 3});
     const Op a = make_op(Collective::reduce_scatter, DType::bf16, 64);
-    CHECK(comm::detail::verify_message(a, tp, rows_of({a, make_op(Collective::reduce_scatter, DType::bf16, 32)})) ==
+    CHECK(message_of(a, tp, rows_of({a, make_op(Collective::reduce_scatter, DType::bf16, 32)})) ==
           "reduce_scatter on group 'tp[1]' (world ranks 2, 3): element count differs between ranks: rank 0 (world "
           "rank 2) has 64, rank 1 (world rank 3) has 32");
   }
@@ -115,7 +130,7 @@ TEST_SUITE("nccl host") {
     ops[7].count = 1000;
     std::vector<int> ranks;
     for (int r = 0; r < 20; ++r) ranks.push_back(r);
-    const std::string message = comm::detail::verify_message(ops[0], group_of("world", ranks), rows_of(ops));
+    const std::string message = message_of(ops[0], group_of("world", ranks), rows_of(ops));
     CHECK(message.ends_with("element count differs between ranks: ranks 0-6, 8-19 have 1024, rank 7 has 1000"));
   }
 
@@ -125,7 +140,7 @@ TEST_SUITE("nccl host") {
     rows[1][comm::detail::kSendPlace] = comm::detail::kHostMemory;
     rows[2][comm::detail::kRecvPlace] = comm::detail::kOtherDevice + 3;
     rows[2][comm::detail::kRowDevice] = 2;
-    CHECK(comm::detail::verify_message(op, group_of("world", {0, 1, 2}), rows) ==
+    CHECK(message_of(op, group_of("world", {0, 1, 2}), rows) ==
           "all_reduce(f32, count 16, sum) on group 'world' (world ranks 0, 1, 2): NcclComm moves device memory, but "
           "on rank 1 the send buffer is host memory the GPU cannot access; on rank 2 the recv buffer is memory of "
           "device 3, not of the communicator's device 2 (allocate the buffers with cudaMalloc on the communicator's "
@@ -145,27 +160,27 @@ TEST_SUITE("nccl host") {
   }
 
   TEST_CASE("arrival_report names the ranks behind, those that do not answer, or why it cannot tell") {
+    using comm::detail::mpi::arrival_report;
     const GroupInfo world = group_of("world", {0, 1, 2, 3});
     const std::vector<int> others{1, 2, 3};
-    const auto ms = std::chrono::milliseconds(1000);
-    using Counts = std::vector<std::optional<std::int64_t>>;
-    CHECK(comm::detail::arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{42, 41, 42}, 42, "", ms) ==
+    const std::string_view hint = comm::detail::kNcclStalled;
+    using Counts = std::vector<std::optional<std::uint64_t>>;
+    CHECK(arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{42, 41, 42}, 42, "", hint) ==
           "waiting for rank 2, which did not arrive (this is collective #42 on this communicator; rank 2 has issued "
           "41)");
-    CHECK(comm::detail::arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{40, std::nullopt, 43}, 42,
-                                       "", ms) ==
+    CHECK(arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{40, std::nullopt, 43}, 42, "", hint) ==
           "waiting for rank 1, which did not arrive (this is collective #42 on this communicator; rank 1 has issued "
           "40); rank 2 does not answer the arrival check within 1000 ms");
-    CHECK(comm::detail::arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{42, 42, 42}, 42, "", ms)
-              .starts_with("every rank has arrived; the collective did not complete"));
-    CHECK(comm::detail::arrival_report(world, 0, Collective::all_reduce, 0, others, Counts(3), 42, "no window", ms) ==
+    CHECK(arrival_report(world, 0, Collective::all_reduce, 0, others, Counts{42, 42, 42}, 42, "", hint) ==
+          "every rank has arrived, yet the collective did not complete (NCCL_DEBUG=WARN may say why)");
+    CHECK(arrival_report(world, 0, Collective::all_reduce, 0, others, Counts(3), 42, "no window", hint) ==
           "which ranks did not arrive is unknown: no window");
     const std::vector<int> peer{1};
-    CHECK(comm::detail::arrival_report(world, 0, Collective::send, 1, peer, Counts{3}, 4, "", ms) ==
+    CHECK(arrival_report(world, 0, Collective::send, 1, peer, Counts{3}, 4, "", hint) ==
           "waiting for rank 1, which has not posted the matching recv (this is send #4 to rank 1; rank 1 has posted 3 "
           "recvs from rank 0)");
-    CHECK(comm::detail::arrival_report(world, 1, Collective::recv, 0, std::vector<int>{0}, Counts{4}, 4, "", ms)
-              .starts_with("rank 0 has posted the matching send; the transfer did not complete"));
+    CHECK(arrival_report(world, 1, Collective::recv, 0, std::vector<int>{0}, Counts{4}, 4, "", hint) ==
+          "rank 0 has posted the matching send; the transfer did not complete (NCCL_DEBUG=WARN may say why)");
   }
 
   TEST_CASE("LLMPAR_CHECK_CUDA throws the CUDA error with the call and the message") {
@@ -210,52 +225,74 @@ TEST_SUITE("nccl host") {
 TEST_SUITE("mpi") {
   TEST_CASE("the arrival counters of every rank can be read by every rank") {
     const World w;
-    comm::detail::Control control;
-    control.open(MPI_COMM_WORLD, std::chrono::seconds(30), "test");
+    comm::detail::mpi::Channel control;
+    control.open(MPI_COMM_WORLD, std::chrono::seconds(30), "test", comm::detail::kNcclStalled);
     REQUIRE(control.board().unknown().empty());
     auto& board = control.board();
-    for (int i = 0; i <= w.rank; ++i) board.issue(comm::detail::ArrivalBoard::kCollectives);
+    for (int i = 0; i <= w.rank; ++i) board.enter(Op{});
     const int next = (w.rank + 1) % w.size;
-    for (int i = 0; i < 2; ++i) board.issue(board.send_slot(next));
+    for (int i = 0; i < 2; ++i) board.enter(make_op(Collective::send, DType::f32, 1, ReduceOp::sum, next));
     MPI_Barrier(MPI_COMM_WORLD);
     std::vector<int> everyone;
     for (int r = 0; r < w.size; ++r) everyone.push_back(r);
-    const auto collectives = board.read(comm::detail::ArrivalBoard::kCollectives, everyone);
+    const auto collectives = board.read(comm::detail::mpi::ArrivalBoard::kCollectives, everyone);
     for (int r = 0; r < w.size; ++r)
-      CHECK(collectives[static_cast<std::size_t>(r)] == std::optional<std::int64_t>(r + 1));
+      CHECK(collectives[static_cast<std::size_t>(r)] == std::optional<std::uint64_t>(r + 1));
     const int previous = (w.rank + w.size - 1) % w.size;
     const std::vector<int> from{previous};
-    CHECK(board.read(board.send_slot(w.rank), from)[0] == std::optional<std::int64_t>(2));
+    CHECK(board.read(board.send_slot(w.rank), from)[0] == std::optional<std::uint64_t>(2));
     MPI_Barrier(MPI_COMM_WORLD);
     control.close(true);
   }
 
+  TEST_CASE("the groups of one split keep arrival counters of their own") {
+    // Each group's board is its own (Open MPI 4's osc/rdma can give the windows of
+    // disjoint groups from one split one shared segment, open-mpi/ompi#9492).
+    const World w;
+    MPI_Comm half = MPI_COMM_NULL;
+    REQUIRE(MPI_Comm_split(MPI_COMM_WORLD, w.rank % 2, w.rank, &half) == MPI_SUCCESS);
+    comm::detail::mpi::Channel channel;
+    channel.adopt(half, "test", comm::detail::kNcclStalled);
+    REQUIRE(channel.board().unknown().empty());
+    const std::uint64_t entered = w.rank % 2 ? 3 : 1;  // a different count in each group
+    for (std::uint64_t i = 0; i < entered; ++i) channel.board().enter(Op{});
+    MPI_Barrier(MPI_COMM_WORLD);
+    std::vector<int> members;
+    for (int r = 0; r < channel.size(); ++r) members.push_back(r);
+    for (const auto& count : channel.board().read(comm::detail::mpi::ArrivalBoard::kCollectives, members))
+      CHECK(count == std::optional<std::uint64_t>(entered));
+    MPI_Barrier(MPI_COMM_WORLD);
+    channel.close(true);
+  }
+
   TEST_CASE("verify mode passes matching operations and names a differing count on every rank") {
     const World w;
-    comm::detail::Control control;
-    control.open(MPI_COMM_WORLD, std::chrono::seconds(30), "test");
+    comm::detail::mpi::Channel control;
+    control.open(MPI_COMM_WORLD, std::chrono::seconds(30), "test", comm::detail::kNcclStalled);
     const auto deadline = [] { return comm::detail::Clock::now() + std::chrono::seconds(30); };
     const Op op = make_op(Collective::all_reduce, DType::f32, 1024);
-    auto outcome = control.verify_collective(op, w.group(), comm::detail::verify_row(op, 0, 0, 0), 1, deadline());
-    CHECK(outcome.kind == comm::detail::ControlOutcome::ok);
+    auto outcome = verify(control, op, w.group(), comm::detail::verify_row(op, 0, 0, 0), 1, deadline());
+    CHECK(outcome.kind == comm::detail::mpi::ControlOutcome::ok);
     if (w.size < 2) {
       MESSAGE("a mismatch needs 2 or more ranks (run under mpirun)");
     } else {
       const Op mine = make_op(Collective::all_reduce, DType::f32, w.rank == 1 ? 1000 : 1024);
-      outcome = control.verify_collective(mine, w.group(), comm::detail::verify_row(mine, 0, 0, 0), 2, deadline());
-      CHECK(outcome.kind == comm::detail::ControlOutcome::mismatch);
+      outcome = verify(control, mine, w.group(), comm::detail::verify_row(mine, 0, 0, 0), 2, deadline());
+      CHECK(outcome.kind == comm::detail::mpi::ControlOutcome::mismatch);
       std::string values;
       for (int r = 0; r < w.size; ++r)
         values += comm::detail::concat(r ? ", " : "", "rank ", r, " has ", r == 1 ? 1000 : 1024);
-      CHECK(outcome.message == comm::detail::concat("all_reduce on ", w.group().describe(),
-                                                    ": element count differs between ranks: ", values));
+      CHECK(comm::detail::verify_message(mine, w.group(), outcome.rows) ==
+            comm::detail::concat("all_reduce on ", w.group().describe(),
+                                 ": element count differs between ranks: ", values));
       // A host buffer on the last rank: every rank learns where.
       const Op last = make_op(Collective::broadcast, DType::i32, 8, ReduceOp::sum, 0);
-      outcome = control.verify_collective(
-          last, w.group(), comm::detail::verify_row(last, 0, w.rank == w.size - 1 ? comm::detail::kHostMemory : 0, 0),
-          3, deadline());
-      CHECK(outcome.kind == comm::detail::ControlOutcome::mismatch);
-      CHECK(outcome.message.find(comm::detail::concat("on rank ", w.size - 1, " the recv buffer is host memory")) !=
+      outcome = verify(control, last, w.group(),
+                       comm::detail::verify_row(last, 0, w.rank == w.size - 1 ? comm::detail::kHostMemory : 0, 0), 3,
+                       deadline());
+      CHECK(outcome.kind == comm::detail::mpi::ControlOutcome::mismatch);
+      CHECK(comm::detail::verify_message(last, w.group(), outcome.rows)
+                .find(comm::detail::concat("on rank ", w.size - 1, " the recv buffer is host memory")) !=
             std::string::npos);
     }
     MPI_Barrier(MPI_COMM_WORLD);
@@ -268,20 +305,19 @@ TEST_SUITE("mpi") {
       MESSAGE("needs 2 or more ranks (run under mpirun)");
       return;
     }
-    comm::detail::Control control;
-    control.open(MPI_COMM_WORLD, std::chrono::milliseconds(300), "test");
+    comm::detail::mpi::Channel control;
+    control.open(MPI_COMM_WORLD, std::chrono::milliseconds(300), "test", comm::detail::kNcclStalled);
     const Op op = make_op(Collective::all_reduce, DType::f32, 4);
     const auto row = comm::detail::verify_row(op, 0, 0, 0);
     const int late = w.size - 1;
-    control.board().issue(comm::detail::ArrivalBoard::kCollectives);
-    CHECK(
-        control.verify_collective(op, w.group(), row, 1, comm::detail::Clock::now() + std::chrono::seconds(30)).kind ==
-        comm::detail::ControlOutcome::ok);
+    control.board().enter(op);
+    CHECK(verify(control, op, w.group(), row, 1, comm::detail::Clock::now() + std::chrono::seconds(30)).kind ==
+          comm::detail::mpi::ControlOutcome::ok);
     if (w.rank != late) {
-      control.board().issue(comm::detail::ArrivalBoard::kCollectives);
+      control.board().enter(op);
       const auto outcome =
-          control.verify_collective(op, w.group(), row, 2, comm::detail::Clock::now() + std::chrono::milliseconds(300));
-      CHECK(outcome.kind == comm::detail::ControlOutcome::broken);
+          verify(control, op, w.group(), row, 2, comm::detail::Clock::now() + std::chrono::milliseconds(300));
+      CHECK(outcome.kind == comm::detail::mpi::ControlOutcome::broken);
       CHECK(outcome.message ==
             comm::detail::concat(
                 "all_reduce(f32, count 4, sum) on ", w.group().describe(), " timed out after 300 ms on rank ", w.rank,
@@ -290,9 +326,9 @@ TEST_SUITE("mpi") {
       MPI_Barrier(MPI_COMM_WORLD);
     } else {
       MPI_Barrier(MPI_COMM_WORLD);  // the others have timed out: join late, so their abandoned call completes
-      control.board().issue(comm::detail::ArrivalBoard::kCollectives);
-      CHECK(control.verify_collective(op, w.group(), row, 2, comm::detail::Clock::now() + std::chrono::seconds(30))
-                .kind == comm::detail::ControlOutcome::ok);
+      control.board().enter(op);
+      CHECK(verify(control, op, w.group(), row, 2, comm::detail::Clock::now() + std::chrono::seconds(30)).kind ==
+            comm::detail::mpi::ControlOutcome::ok);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     control.close(false);
@@ -304,30 +340,31 @@ TEST_SUITE("mpi") {
       MESSAGE("needs 2 or more ranks (run under mpirun)");
       return;
     }
-    comm::detail::Control control;
-    control.open(MPI_COMM_WORLD, std::chrono::milliseconds(300), "test");
+    comm::detail::mpi::Channel control;
+    control.open(MPI_COMM_WORLD, std::chrono::milliseconds(300), "test", comm::detail::kNcclStalled);
     const auto later = [] { return comm::detail::Clock::now() + std::chrono::seconds(30); };
     auto& board = control.board();
+    const Op send = make_op(Collective::send, DType::f32, 8, ReduceOp::sum, 1);
     if (w.rank == 0) {
-      board.issue(board.send_slot(1));
-      control.post_fingerprint(make_op(Collective::send, DType::f32, 8, ReduceOp::sum, 1));
-      board.issue(board.send_slot(1));
-      control.post_fingerprint(make_op(Collective::send, DType::f32, 8, ReduceOp::sum, 1));
+      board.enter(send);
+      control.post_fingerprint(send);
+      board.enter(send);
+      control.post_fingerprint(send);
     } else if (w.rank == 1) {
       const Op recv = make_op(Collective::recv, DType::f32, 8, ReduceOp::sum, 0);
-      CHECK(control.check_fingerprint(recv, w.group(), board.issue(board.recv_slot(0)), later()).kind ==
-            comm::detail::ControlOutcome::ok);
+      CHECK(control.check_fingerprint(recv, w.group(), board.enter(recv), later()).kind ==
+            comm::detail::mpi::ControlOutcome::ok);
       const Op shorter = make_op(Collective::recv, DType::f32, 4, ReduceOp::sum, 0);
-      const auto outcome = control.check_fingerprint(shorter, w.group(), board.issue(board.recv_slot(0)), later());
-      CHECK(outcome.kind == comm::detail::ControlOutcome::broken);
+      const auto outcome = control.check_fingerprint(shorter, w.group(), board.enter(shorter), later());
+      CHECK(outcome.kind == comm::detail::mpi::ControlOutcome::broken);
       CHECK(outcome.message ==
             comm::detail::concat(
                 "send(f32, count 8, to 1) by rank 0 does not match recv(f32, count 4, from 0) by rank 1 on ",
                 w.group().describe(), ": the element counts differ"));
       // A third recv that rank 0 has not sent (yet): it names rank 0 and its count.
-      const auto missing = control.check_fingerprint(recv, w.group(), board.issue(board.recv_slot(0)),
+      const auto missing = control.check_fingerprint(recv, w.group(), board.enter(recv),
                                                      comm::detail::Clock::now() + std::chrono::milliseconds(300));
-      CHECK(missing.kind == comm::detail::ControlOutcome::broken);
+      CHECK(missing.kind == comm::detail::mpi::ControlOutcome::broken);
       CHECK(missing.message ==
             comm::detail::concat(
                 "recv(f32, count 8, from 0) on ", w.group().describe(),
@@ -337,8 +374,8 @@ TEST_SUITE("mpi") {
     }
     MPI_Barrier(MPI_COMM_WORLD);
     if (w.rank == 0) {  // the late send completes rank 1's abandoned receive
-      board.issue(board.send_slot(1));
-      control.post_fingerprint(make_op(Collective::send, DType::f32, 8, ReduceOp::sum, 1));
+      board.enter(send);
+      control.post_fingerprint(send);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     control.close(false);

@@ -343,7 +343,7 @@ TEST_CASE("ThreadComm: a count that differs between ranks fails on every rank wi
   });
   REQUIRE(messages.all.size() == 2);
   for (const auto& m : messages.all)
-    CHECK_MESSAGE(contains(m, "on group 'world' (world ranks 0, 1): element count differs between ranks: "
+    CHECK_MESSAGE(contains(m, "all_reduce on group 'world' (world ranks 0, 1): element count differs between ranks: "
                               "rank 0 has 1024, rank 1 has 1000"),
                   m);
 }
@@ -385,6 +385,26 @@ TEST_CASE("ThreadComm: a different collective, type or root fails on every rank 
   CHECK(kinds == 3);
   CHECK(types == 3);
   CHECK(roots == 3);
+}
+
+TEST_CASE("ThreadComm: split on one rank against a barrier on another fails on both, naming split as the collective") {
+  Messages messages;
+  comm::run_threads(2, [&](ThreadComm& c) {
+    try {
+      if (c.rank() == 0)
+        static_cast<void>(c.split(0, 0, "sub"));
+      else
+        c.barrier();
+    } catch (const Error& e) {
+      messages.add(e.what());
+    }
+    c.barrier();  // the group is still usable
+  });
+  REQUIRE(messages.all.size() == 2);
+  for (const auto& m : messages.all)
+    CHECK_MESSAGE(contains(m, " on group 'world' (world ranks 0, 1): collective differs between ranks: rank 0 has "
+                              "split, rank 1 has barrier"),
+                  m);
 }
 
 TEST_CASE("ThreadComm: a rank that never arrives makes the others time out naming it") {

@@ -97,13 +97,11 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
-#include <optional>
 #include <ostream>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
-#include <vector>
 
 #include "llmpar/comm/communicator.hpp"
 #include "llmpar/comm/detail/mpi.hpp"
@@ -344,11 +342,11 @@ inline std::uint64_t pack(const Op& op) {
 // moved or destroyed communicator object safely.
 class State {
  public:
+  // Takes `comm` (collective: it opens the arrival board).
   State(MPI_Comm comm, GroupInfo group, MpiOptions options, std::shared_ptr<const Types> types, int world_rank)
-      : comm_(comm), group_(std::move(group)), options_(options), types_(std::move(types)), world_rank_(world_rank) {
-    LLMPAR_CHECK_MPI(MPI_Comm_rank(comm_, &rank_), group_.describe());
-    LLMPAR_CHECK_MPI(MPI_Comm_size(comm_, &size_), group_.describe());
-    open_counters();
+      : group_(std::move(group)), options_(options), types_(std::move(types)), world_rank_(world_rank) {
+    channel_.set_timeout(options_.timeout);
+    channel_.adopt(comm, group_.describe(), kStalled);
     watchdog_ = std::thread([this] { watch(); });
   }
   State(const State&) = delete;
@@ -361,26 +359,16 @@ class State {
     }
     watchdog_wake_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;  // too late to free anything
-    if (!abandoned_.empty() && !drain_abandoned()) {
-      auto& record = abandoned();
-      std::lock_guard lock(record.mutex);
-      record.operations += static_cast<int>(abandoned_.size());
-      if (record.reason.empty()) record.reason = broken_;
-      return;  // freeing is collective and these operations may never finish: leave it all
-    }
-    if (window_ != MPI_WIN_NULL && !window_abandoned_) {
-      MPI_Win_unlock_all(window_);
-      MPI_Win_free(&window_);
-    }
-    MPI_Comm_free(&comm_);
+    if (!usable()) return;  // too late to free anything
+    // Freeing the window is collective, and these operations may never finish: then leave it.
+    const bool drained = abandoned_.empty() || abandoned_.drain(Clock::now() + kGrace);
+    if (!drained) abandoned_.leak(broken_);
+    channel_.close(drained);
   }
 
-  MPI_Comm comm() const { return comm_; }
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  MPI_Comm comm() const { return channel_.comm(); }
+  int rank() const { return channel_.rank(); }
+  int size() const { return channel_.size(); }
   int world_rank() const { return world_rank_; }
   const GroupInfo& group() const { return group_; }
   const MpiOptions& options() const { return options_; }
@@ -404,13 +392,8 @@ class State {
 
   // Counts the operation as entered (see the design note) and returns its number in
   // its counter: the collective's number on this communicator, or the send's (recv's)
-  // number to (from) its peer.
-  std::uint64_t enter(const Op& op) {
-    if (op.kind == Collective::send) return bump(1 + static_cast<std::size_t>(op.root));
-    if (op.kind == Collective::recv) return bump(1 + static_cast<std::size_t>(size_ + op.root));
-    return bump(0);
-  }
-  std::uint64_t enter_split() { return bump(0); }
+  // number to (from) its peer. split() counts as a collective.
+  std::uint64_t enter(const Op& op) { return channel_.board().enter(op); }
 
   // The blocking part of an operation, watched by the watchdog (RAII).
   class Watched {
@@ -432,55 +415,14 @@ class State {
   // Verify mode: every rank issues the same collective, the same way (MPI does not
   // match a blocking collective with a non-blocking one), or every rank throws the
   // same error.
-  void verify(const Op& op, bool async) {
+  void verify(const Op& op, bool async, std::uint64_t number) {
     if (op.kind == Collective::send || op.kind == Collective::recv) return;
-    const auto fingerprint = op.fingerprint();
-    constexpr int kFields = static_cast<int>(std::tuple_size_v<decltype(fingerprint)>) + 1;
-    std::array<std::int64_t, kFields> mine;
-    std::copy(fingerprint.begin(), fingerprint.end(), mine.begin());
-    mine[kFields - 1] = async ? 1 : 0;
-    std::array<std::int64_t, 2 * kFields> extremes;  // the MAX of the values and of their negations
-    for (int i = 0; i < kFields; ++i) {
-      extremes[i] = mine[i];
-      extremes[kFields + i] = -mine[i];
-    }
-    LLMPAR_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, extremes.data(), 2 * kFields, MPI_INT64_T, MPI_MAX, comm_),
-                     context(op), " (verifying it)");
-    int field = -1;
-    for (int i = 0; i < kFields && field < 0; ++i)
-      if (extremes[i] != -extremes[kFields + i]) field = i;
-    if (field < 0) return;
-    std::vector<std::int64_t> all(static_cast<std::size_t>(kFields) * size_);
-    LLMPAR_CHECK_MPI(MPI_Allgather(mine.data(), kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, comm_),
-                     context(op), " (verifying it)");
-    static constexpr const char* kName[] = {"collective", "element type", "element count",
-                                            "reduction",  "root",         "blocking or async"};
-    std::string values;
-    for (int r = 0; r < size_; ++r) {
-      const std::int64_t v = all[static_cast<std::size_t>(r) * kFields + field];
-      std::string value;
-      switch (field) {
-        case 0:
-          value = std::string(name_of(static_cast<Collective>(v)));
-          break;
-        case 1:
-          value = std::string(name_of(static_cast<DType>(v)));
-          break;
-        case 2:
-          value = std::to_string(v);
-          break;
-        case 3:
-          value = v < 0 ? std::string("no reduction") : std::string(name_of(static_cast<ReduceOp>(v)));
-          break;
-        case 4:
-          value = v < 0 ? std::string("no root") : std::to_string(v);
-          break;
-        default:
-          value = v ? "async" : "blocking";
-      }
-      values += concat(r ? ", " : "", group_.member(r), " has ", value);
-    }
-    LLMPAR_FAIL(name_of(op.kind), " on ", group_.describe(), ": ", kName[field], " differs between ranks: ", values);
+    const auto f = op.fingerprint();
+    const std::array<std::int64_t, kVerifyFields.size()> row{f[0], f[1], f[2], f[3], f[4], async ? 1 : 0};
+    const auto outcome = channel_.verify(op, group_, row, row.size(), 0, number, Clock::time_point::max());
+    if (outcome.kind == ControlOutcome::mismatch)
+      LLMPAR_FAIL(mismatch_message(name_of(op.kind), group_, outcome.rows, row.size(), kVerifyFields));
+    if (outcome.kind == ControlOutcome::broken) LLMPAR_FAIL(outcome.message);
   }
 
   // Checks `op` against MPI's limits and its buffers against each other, and maps it to
@@ -505,7 +447,7 @@ class State {
     const std::size_t block = op.count * size_of(op.type);
     const auto send = reinterpret_cast<std::uintptr_t>(op.send);
     const auto recv = reinterpret_cast<std::uintptr_t>(op.recv);
-    const std::size_t all = block * static_cast<std::size_t>(size_), mine = block * static_cast<std::size_t>(rank_);
+    const std::size_t all = block * static_cast<std::size_t>(size()), mine = block * static_cast<std::size_t>(rank());
     std::size_t send_bytes = 0, recv_bytes = 0;
     const char* rule = "";
     switch (op.kind) {
@@ -540,7 +482,7 @@ class State {
         break;
       case Collective::broadcast:
       case Collective::reduce:
-        if (rank_ != op.root) break;
+        if (rank() != op.root) break;
         if (send == recv) {
           if (op.kind == Collective::reduce) c.send = MPI_IN_PLACE;
         } else {
@@ -552,7 +494,7 @@ class State {
         break;
     }
     if (send_bytes > 0 && recv_bytes > 0 && send < recv + recv_bytes && recv < send + send_bytes) [[unlikely]]
-      LLMPAR_FAIL(where(op), " on ", group_.member(rank_),
+      LLMPAR_FAIL(where(op), " on ", group_.member(rank()),
                   ": the send and recv buffers overlap without being in place (in place is ", rule,
                   "); use separate buffers or the in-place layout");
     if (op.kind == Collective::broadcast && send_bytes > 0) std::memcpy(op.recv, op.send, block);
@@ -565,57 +507,59 @@ class State {
     switch (op.kind) {
       case Collective::all_reduce:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Allreduce(c.send, c.recv, c.count, c.type, c.op, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Allreduce(c.send, c.recv, c.count, c.type, c.op, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Iallreduce(c.send, c.recv, c.count, c.type, c.op, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Iallreduce(c.send, c.recv, c.count, c.type, c.op, comm(), request), where(op));
         break;
       case Collective::reduce_scatter:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Reduce_scatter_block(c.send, c.recv, c.count, c.type, c.op, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Reduce_scatter_block(c.send, c.recv, c.count, c.type, c.op, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Ireduce_scatter_block(c.send, c.recv, c.count, c.type, c.op, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Ireduce_scatter_block(c.send, c.recv, c.count, c.type, c.op, comm(), request),
+                           where(op));
         break;
       case Collective::all_gather:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Allgather(c.send, c.count, c.type, c.recv, c.count, c.type, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Allgather(c.send, c.count, c.type, c.recv, c.count, c.type, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Iallgather(c.send, c.count, c.type, c.recv, c.count, c.type, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Iallgather(c.send, c.count, c.type, c.recv, c.count, c.type, comm(), request),
+                           where(op));
         break;
       case Collective::broadcast:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Bcast(c.recv, c.count, c.type, op.root, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Bcast(c.recv, c.count, c.type, op.root, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Ibcast(c.recv, c.count, c.type, op.root, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Ibcast(c.recv, c.count, c.type, op.root, comm(), request), where(op));
         break;
       case Collective::reduce:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Reduce(c.send, c.recv, c.count, c.type, c.op, op.root, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Reduce(c.send, c.recv, c.count, c.type, c.op, op.root, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Ireduce(c.send, c.recv, c.count, c.type, c.op, op.root, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Ireduce(c.send, c.recv, c.count, c.type, c.op, op.root, comm(), request), where(op));
         break;
       case Collective::all_to_all:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Alltoall(c.send, c.count, c.type, c.recv, c.count, c.type, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Alltoall(c.send, c.count, c.type, c.recv, c.count, c.type, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Ialltoall(c.send, c.count, c.type, c.recv, c.count, c.type, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Ialltoall(c.send, c.count, c.type, c.recv, c.count, c.type, comm(), request), where(op));
         break;
       case Collective::send:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Send(c.send, c.count, c.type, op.root, kTag, comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Send(c.send, c.count, c.type, op.root, kTag, comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Isend(c.send, c.count, c.type, op.root, kTag, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Isend(c.send, c.count, c.type, op.root, kTag, comm(), request), where(op));
         break;
       case Collective::recv:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Recv(c.recv, c.count, c.type, op.root, kTag, comm_, status), where(op));
+          LLMPAR_CHECK_MPI(MPI_Recv(c.recv, c.count, c.type, op.root, kTag, comm(), status), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Irecv(c.recv, c.count, c.type, op.root, kTag, comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Irecv(c.recv, c.count, c.type, op.root, kTag, comm(), request), where(op));
         break;
       case Collective::barrier:
         if constexpr (kBlocking)
-          LLMPAR_CHECK_MPI(MPI_Barrier(comm_), where(op));
+          LLMPAR_CHECK_MPI(MPI_Barrier(comm()), where(op));
         else
-          LLMPAR_CHECK_MPI(MPI_Ibarrier(comm_, request), where(op));
+          LLMPAR_CHECK_MPI(MPI_Ibarrier(comm(), request), where(op));
         break;
     }
   }
@@ -623,13 +567,13 @@ class State {
   // What remains once MPI is done: the in-place reduce_scatter's move, avg's division,
   // and a recv's check of the count that arrived.
   void complete(const Op& op, const Call& c, const MPI_Status& status) const {
-    if (c.scatter_in_place && rank_ != 0 && op.count > 0) std::memmove(op.recv, op.send, op.count * size_of(op.type));
-    if (op.reduce == ReduceOp::avg && has_reduction(op.kind) && (op.kind != Collective::reduce || rank_ == op.root))
+    if (c.scatter_in_place && rank() != 0 && op.count > 0) std::memmove(op.recv, op.send, op.count * size_of(op.type));
+    if (op.reduce == ReduceOp::avg && has_reduction(op.kind) && (op.kind != Collective::reduce || rank() == op.root))
       finish_avg(op);
     if (op.kind == Collective::recv) {
       int arrived = 0;
       LLMPAR_CHECK_MPI(MPI_Get_count(&status, c.type, &arrived), where(op));
-      LLMPAR_CHECK(arrived == c.count, where(op), " on ", group_.member(rank_), ": the matching send from ",
+      LLMPAR_CHECK(arrived == c.count, where(op), " on ", group_.member(rank()), ": the matching send from ",
                    group_.member(op.root), " carried ", arrived, " elements, not ", c.count,
                    "; a send and its recv must have the same count");
     }
@@ -638,194 +582,18 @@ class State {
   // Why the communicator is broken ("" while it is not), and the requests it abandoned.
   void break_with(std::string reason, MPI_Request request) {
     if (broken_.empty()) broken_ = std::move(reason);
-    if (request != MPI_REQUEST_NULL) abandoned_.push_back(request);
+    if (request != MPI_REQUEST_NULL) abandoned_.add(request);
   }
   const std::string& broken() const { return broken_; }
 
   // Which ranks have not entered the operation numbered `number` of kind `kind` (peer:
   // the other side of a send/recv), from their arrival counters.
-  std::string arrivals(std::uint64_t kind, int peer, std::uint64_t number) {
-    const bool sending = kind == static_cast<std::uint64_t>(Collective::send);
-    const bool receiving = kind == static_cast<std::uint64_t>(Collective::recv);
-    std::vector<int> ranks;
-    if (sending || receiving) {
-      ranks.push_back(peer);
-    } else {
-      for (int r = 0; r < size_; ++r)
-        if (r != rank_) ranks.push_back(r);
-    }
-    // The peer's receives from this rank, its sends to this rank, or its collectives.
-    const std::size_t slot = sending     ? 1 + static_cast<std::size_t>(size_ + rank_)
-                             : receiving ? 1 + static_cast<std::size_t>(rank_)
-                                         : 0;
-    std::string unknown;
-    const auto counts = read(slot, ranks, unknown);
-    if (!unknown.empty()) return concat("which ranks did not arrive is unknown: ", unknown);
-    std::string missing, numbers, silent;
-    int n_missing = 0, n_silent = 0;
-    for (std::size_t i = 0; i < ranks.size(); ++i) {
-      const std::string who = group_.member(ranks[i]);
-      if (!counts[i]) {
-        silent += concat(n_silent++ ? ", " : "", who);
-      } else if (*counts[i] < number) {
-        missing += concat(n_missing ? ", " : "", who);
-        numbers +=
-            concat(n_missing++ ? ", " : "", who, sending || receiving ? " has posted " : " has issued ", *counts[i]);
-      }
-    }
-    std::string report;
-    if (n_missing > 0) {
-      if (sending || receiving) {
-        report = concat("waiting for ", missing, ", which has not posted the matching ", sending ? "recv" : "send",
-                        " (this is ", sending ? "send" : "recv", " #", number, sending ? " to " : " from ", missing,
-                        "; ", numbers, sending ? " recvs from " : " sends to ", group_.member(rank_), ")");
-      } else {
-        report = concat("waiting for ", missing, ", which did not arrive (this is collective #", number,
-                        " on this communicator; ", numbers, ")");
-      }
-    }
-    if (n_silent > 0)
-      report += concat(report.empty() ? "" : "; ", silent, n_silent > 1 ? " do" : " does",
-                       " not answer the arrival check within ", kGrace.count(), " ms");
-    if (report.empty())
-      report = sending || receiving ? concat(group_.member(peer), " has posted the matching ",
-                                             sending ? "recv" : "send", "; the transfer did not complete")
-                                    : std::string(
-                                          "every rank has arrived, yet the collective did not complete (MPI does not "
-                                          "match a blocking collective with an async one: issue it the same way on "
-                                          "every rank; verify mode checks this)");
-    return report;
+  std::string arrivals(Collective kind, int peer, std::uint64_t number) {
+    const bool p2p = kind == Collective::send || kind == Collective::recv;
+    return channel_.board().report(group_, kind, peer, number, p2p ? std::string_view() : kStalled);
   }
 
  private:
-  // ---- arrival counters: [0] collectives entered, [1 + p] sends posted to rank p,
-  // [1 + size + p] receives posted from rank p.
-  void open_counters() {
-    const std::size_t n = 1 + 2 * static_cast<std::size_t>(size_);
-    local_.assign(n, 0);
-    counters_ = local_.data();
-    // How many members share a node: on one node the window is a shared-memory one.
-    MPI_Comm node = MPI_COMM_NULL;
-    int on_node = 1;
-    if (MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-      MPI_Comm_size(node, &on_node);
-      MPI_Comm_free(&node);
-    }
-    std::array<int, 2> extremes{on_node, -on_node};  // the most and (negated) the fewest members on a node
-    if (MPI_Allreduce(MPI_IN_PLACE, extremes.data(), 2, MPI_INT, MPI_MAX, comm_) != MPI_SUCCESS) {
-      no_counters_ = "the members could not agree on where they run";
-      return;
-    }
-    const bool one_node = -extremes[1] == size_;
-#if defined(OPEN_MPI) && OMPI_MAJOR_VERSION < 5
-    // Open MPI 4's osc/rdma names a window's node-shared segment after the communicator's
-    // id, which disjoint groups from one split share: their windows would share memory
-    // (open-mpi/ompi#9492, fixed in Open MPI 5). Only a window over every process is safe.
-    int same = MPI_UNEQUAL;
-    MPI_Comm_compare(comm_, MPI_COMM_WORLD, &same);
-    if (!one_node && extremes[0] > 1 && same != MPI_IDENT && same != MPI_CONGRUENT) {
-      no_counters_ =
-          "Open MPI 4 cannot give a group split across nodes its own one-sided window (open-mpi/ompi#9492), so this "
-          "communicator keeps no arrival counters";
-      return;
-    }
-#endif
-    void* base = nullptr;
-    MPI_Win window = MPI_WIN_NULL;
-    MPI_Info info = MPI_INFO_NULL;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "same_size", "true");
-    MPI_Info_set(info, "alloc_shared_noncontig", "true");
-    // Whole cache lines, so that ranks on one node never write to the same line.
-    const auto bytes = static_cast<MPI_Aint>((n * sizeof(std::uint64_t) + 63) / 64 * 64);
-    const int code = one_node ? MPI_Win_allocate_shared(bytes, sizeof(std::uint64_t), info, comm_, &base, &window)
-                              : MPI_Win_allocate(bytes, sizeof(std::uint64_t), info, comm_, &base, &window);
-    MPI_Info_free(&info);
-    int ok = code == MPI_SUCCESS;
-    if (ok) {
-      std::fill_n(static_cast<std::uint64_t*>(base), n, std::uint64_t{0});
-      int* model = nullptr;
-      int found = 0;
-      ok = MPI_Win_set_errhandler(window, MPI_ERRORS_RETURN) == MPI_SUCCESS &&
-           MPI_Win_get_attr(window, MPI_WIN_MODEL, &model, &found) == MPI_SUCCESS &&
-           MPI_Win_lock_all(MPI_MODE_NOCHECK, window) == MPI_SUCCESS;
-      unified_ = ok && found && *model == MPI_WIN_UNIFIED;
-    }
-    int all_ok = 0;
-    if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_) != MPI_SUCCESS) all_ok = 0;
-    if (all_ok) {
-      window_ = window;
-      if (unified_) counters_ = static_cast<std::uint64_t*>(base);
-    } else {
-      // Some rank may hold a window the others lack: it is never freed (freeing is collective).
-      no_counters_ = code == MPI_SUCCESS ? std::string("this MPI could not set up the one-sided window of counters")
-                                         : concat(one_node ? "MPI_Win_allocate_shared" : "MPI_Win_allocate",
-                                                  " failed: ", error_string(code));
-    }
-  }
-
-  std::uint64_t bump(std::size_t slot) {
-    std::atomic_ref<std::uint64_t> counter(counters_[slot]);
-    const std::uint64_t value = counter.load(std::memory_order_relaxed) + 1;
-    counter.store(value, std::memory_order_release);
-    if (window_ != MPI_WIN_NULL && !unified_) {
-      // A separate-model window: publish through MPI (a local, completed operation).
-      MPI_Accumulate(&counters_[slot], 1, MPI_UINT64_T, rank_, static_cast<MPI_Aint>(slot), 1, MPI_UINT64_T,
-                     MPI_REPLACE, window_);
-      MPI_Win_flush(rank_, window_);
-    }
-    return value;
-  }
-
-  // Reads counter `slot` of each of `ranks` (nullopt: no answer within the grace period).
-  std::vector<std::optional<std::uint64_t>> read(std::size_t slot, const std::vector<int>& ranks,
-                                                 std::string& unknown) {
-    std::vector<std::optional<std::uint64_t>> out(ranks.size());
-    if (window_ == MPI_WIN_NULL) {
-      unknown = no_counters_;
-      return out;
-    }
-    if (window_abandoned_) {
-      unknown = "an earlier arrival check never finished";
-      return out;
-    }
-    // Heap buffers: reads that do not finish are abandoned, and MPI may still write them.
-    auto values = std::make_unique<std::uint64_t[]>(ranks.size());
-    auto requests = std::make_unique<MPI_Request[]>(ranks.size());
-    std::vector<bool> done(ranks.size(), false);
-    for (std::size_t i = 0; i < ranks.size(); ++i) {
-      requests[i] = MPI_REQUEST_NULL;
-      if (MPI_Rget_accumulate(nullptr, 0, MPI_UINT64_T, &values[i], 1, MPI_UINT64_T, ranks[i],
-                              static_cast<MPI_Aint>(slot), 1, MPI_UINT64_T, MPI_NO_OP, window_,
-                              &requests[i]) != MPI_SUCCESS)
-        done[i] = true;
-    }
-    const auto deadline = Clock::now() + kGrace;
-    for (bool pending = true; pending;) {
-      pending = false;
-      for (std::size_t i = 0; i < ranks.size(); ++i) {
-        if (done[i]) continue;
-        int flag = 0;
-        if (MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
-          done[i] = true;
-        } else if (flag) {
-          done[i] = true;
-          out[i] = values[i];
-        } else {
-          pending = true;
-        }
-      }
-      if (pending && Clock::now() >= deadline) {
-        window_abandoned_ = true;
-        static_cast<void>(values.release());
-        static_cast<void>(requests.release());
-        break;
-      }
-      if (pending) std::this_thread::yield();
-    }
-    return out;
-  }
-
   // ---- the watchdog of blocking calls
   void watch() {
     const auto period = std::clamp(options_.timeout / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(200));
@@ -855,7 +623,7 @@ class State {
     const std::uint64_t number = number_.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (active_.load(std::memory_order_relaxed) != active) return;  // it returned meanwhile
-    const std::uint64_t kind = (what & 0xFF) == kSplit ? static_cast<std::uint64_t>(Collective::barrier) : what & 0xFF;
+    const Collective kind = (what & 0xFF) == kSplit ? Collective::barrier : static_cast<Collective>(what & 0xFF);
     const std::string report =
         types_->thread_level() == MPI_THREAD_MULTIPLE
             ? arrivals(kind, static_cast<int>(static_cast<std::uint32_t>(what >> 32)), number)
@@ -863,12 +631,11 @@ class State {
                      ", and reading the others' counters while this rank is blocked in MPI needs "
                      "MPI_THREAD_MULTIPLE");
     std::fprintf(stderr,
-                 "llmpar: %s on %s timed out after %lld ms on %s, %s. A blocking MPI call cannot be cancelled, so the "
-                 "job is aborted (the _async operations throw llmpar::Error instead)\n",
-                 describe(what, count).c_str(), group_.describe().c_str(),
-                 static_cast<long long>(options_.timeout.count()), group_.member(rank_).c_str(), report.c_str());
+                 "llmpar: %s. A blocking MPI call cannot be cancelled, so the job is aborted (the _async operations "
+                 "throw llmpar::Error instead)\n",
+                 timeout_message(describe(what, count), group_, rank(), options_.timeout, "", report).c_str());
     std::fflush(stderr);
-    MPI_Abort(comm_, 1);
+    MPI_Abort(channel_.comm(), 1);
   }
 
   void finish_avg(const Op& op) const {
@@ -877,42 +644,18 @@ class State {
       using A = typename Accumulator<T>::type;
       T* data = static_cast<T*>(op.recv);
       for (std::size_t i = 0; i < op.count; ++i)
-        data[i] = static_cast<T>(finish<A>(ReduceOp::avg, static_cast<A>(data[i]), size_));
+        data[i] = static_cast<T>(finish<A>(ReduceOp::avg, static_cast<A>(data[i]), size()));
     });
   }
 
-  // Gives the abandoned requests the grace period to complete (a late rank may have
-  // joined since). True when they all did.
-  bool drain_abandoned() {
-    const auto deadline = Clock::now() + kGrace;
-    while (true) {
-      int done = 0;
-      if (MPI_Testall(static_cast<int>(abandoned_.size()), abandoned_.data(), &done, MPI_STATUSES_IGNORE) !=
-          MPI_SUCCESS)
-        return false;
-      if (done) return true;
-      if (Clock::now() >= deadline) return false;
-      std::this_thread::yield();
-    }
-  }
-
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  Channel channel_;  // the communicator and its arrival board
   GroupInfo group_;
   MpiOptions options_;
   std::shared_ptr<const Types> types_;
   int world_rank_ = 0;
-  int rank_ = 0;
-  int size_ = 1;
-
-  MPI_Win window_ = MPI_WIN_NULL;
-  bool unified_ = false;           // counters_ points into the window
-  bool window_abandoned_ = false;  // a read never finished: never free the window
-  std::uint64_t* counters_ = nullptr;
-  std::vector<std::uint64_t> local_;
-  std::string no_counters_;
 
   std::string broken_;
-  std::vector<MPI_Request> abandoned_;
+  AbandonedOps abandoned_;
 
   // The blocking call in progress: written by the caller's thread, read by the watchdog.
   std::uint64_t started_ = 0;
@@ -956,7 +699,7 @@ class MpiComm : public Collectives<MpiComm> {
     s.check_usable();
     const std::uint64_t number = s.enter(op);
     detail::mpi::State::Watched watched(s, detail::mpi::pack(op), op.count, number);
-    if (s.options().verify) s.verify(op, false);
+    if (s.options().verify) s.verify(op, false, number);
     const detail::mpi::Call call = s.plan(op);
     MPI_Status status;  // written by MPI_Recv, read only for a recv
     s.issue<true>(op, call, nullptr, &status);
@@ -973,7 +716,7 @@ class MpiComm : public Collectives<MpiComm> {
     s.check_usable();
     LLMPAR_CHECK(color >= 0, "split of ", s.group().describe(), " into '", name, "': color ", color,
                  " is negative; use colors >= 0 (members with the same color form one communicator)");
-    const std::uint64_t number = s.enter_split();
+    const std::uint64_t number = s.enter(Op{});
     detail::mpi::State::Watched watched(
         s, detail::mpi::kSplit | static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)) << 32,
         static_cast<std::uint64_t>(static_cast<std::int64_t>(key)), number);
@@ -1038,9 +781,8 @@ class MpiComm::Request {
       if (spin % 64 == 0 && detail::mpi::Clock::now() >= deadline) break;
     }
     pending_ = false;
-    const std::string report = detail::concat(s.context(op_), " timed out after ", s.options().timeout.count(),
-                                              " ms on ", s.group().member(s.rank()), ", ",
-                                              s.arrivals(static_cast<std::uint64_t>(op_.kind), op_.root, number_));
+    const std::string report = detail::mpi::timeout_message(op_.describe(), s.group(), s.rank(), s.options().timeout,
+                                                            "", s.arrivals(op_.kind, op_.root, number_));
     s.break_with(report, request_);
     request_ = MPI_REQUEST_NULL;
     LLMPAR_FAIL(report, ". The communicator is broken: every later operation on it fails");
@@ -1107,7 +849,7 @@ inline MpiComm::Request MpiComm::start(const Op& op) {
   r.number_ = s.enter(op);
   {
     detail::mpi::State::Watched watched(s, detail::mpi::pack(op), op.count, r.number_);
-    if (s.options().verify) s.verify(op, true);
+    if (s.options().verify) s.verify(op, true, r.number_);
     r.call_ = s.plan(op);
     s.issue<false>(op, r.call_, &r.request_, nullptr);
   }
@@ -1118,19 +860,8 @@ inline MpiComm::Request MpiComm::start(const Op& op) {
 inline MpiComm MpiComm::world(MpiOptions options) {
   LLMPAR_CHECK(options.timeout.count() > 0, "MpiOptions::timeout is ", options.timeout.count(),
                " ms; use a positive duration (the default is 5 minutes)");
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  LLMPAR_CHECK(initialized && !finalized, "MpiComm::world: MPI is ",
-               finalized ? "already finalized" : "not initialised",
-               "; create a comm::MpiEnvironment first (it calls MPI_Init_thread) and keep it alive while "
-               "communicators exist");
-  if (const char* verify = std::getenv("LLMPAR_COMM_VERIFY"); verify != nullptr && *verify != '\0') {
-    const std::string_view value(verify);
-    LLMPAR_CHECK(value == "0" || value == "1", "LLMPAR_COMM_VERIFY=", value,
-                 " is not 0 or 1; set LLMPAR_COMM_VERIFY=1 to check every collective across ranks, 0 not to");
-    if (value == "1") options.verify = true;
-  }
+  detail::mpi::require_mpi("MpiComm::world");
+  options.verify = detail::verify_from_environment(options.verify);
   auto types = std::make_shared<const detail::mpi::Types>();
   MPI_Comm comm = MPI_COMM_NULL;
   LLMPAR_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MpiComm::world");

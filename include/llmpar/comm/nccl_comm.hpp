@@ -7,7 +7,9 @@
 //   built from) is the control channel: it carries NCCL's unique id at construction,
 //   the checks of verify mode and the diagnosis of a hang. MPI is how multi-node jobs
 //   are launched anyway (mpirun, srun), so it costs no extra setup; a process started
-//   without a launcher is a world of one (MPI's singleton start).
+//   without a launcher is a world of one (MPI's singleton start). The channel is the
+//   MPI machinery MpiComm is built on too (comm/detail/mpi.hpp), so both engines
+//   diagnose and word a hang or a mismatch the same way.
 // * Its own stream. Operations run in issue order on a non-blocking stream of the
 //   highest priority, owned by the communicator, so that communication overlaps the
 //   compute streams instead of queueing behind them. Before each operation that stream
@@ -25,19 +27,21 @@
 //   it has started on this rank's device: one queued behind a long kernel is not a hang
 //   of the group, and if it never starts, the error says that instead.
 // * Naming the ranks that did not arrive. NCCL cannot tell whom it waits for, so every
-//   rank keeps in an MPI one-sided window how many collectives it has issued on the
-//   communicator and how many sends and receives it has posted to and from each peer
-//   (an MPI_Accumulate to itself per operation, about 0.1 us), as MpiComm does. A rank
-//   that times out reads the others' counters, which needs no help from them, and
-//   names the ranks that are behind, in MpiComm's words. If the window cannot be made
-//   or read, the error says that it cannot tell.
+//   rank keeps, on MpiComm's arrival board (comm/detail/mpi.hpp), how many collectives
+//   it has issued on the communicator and how many sends and receives it has posted to
+//   and from each peer: an atomic store per operation in a shared-memory window on one
+//   node, an MPI_Accumulate to itself (about 0.1 us) otherwise. A rank that times out
+//   reads the others' counters, which needs no help from them, and names the ranks
+//   that are behind, in MpiComm's words. If the window cannot be made or read (Open
+//   MPI 4 cannot give a split group across nodes its own window, open-mpi/ompi#9492),
+//   the error says that it cannot tell.
 // * Verify mode (NcclOptions::verify, or LLMPAR_COMM_VERIFY=1 on any rank) checks each
 //   operation before it is enqueued: the ranks all-reduce its fingerprint (kind, type,
 //   count, reduction, root) MIN and MAX over MPI, together with whether its buffers are
 //   memory of their device; on a difference every rank throws the same error, naming
-//   the field and each rank's value, and the communicator stays usable. A recv checks
-//   the type and count of its send through one small MPI message. One MPI round trip
-//   per operation: a debugging aid.
+//   the field and each rank's value in every engine's words (comm/detail/verify.hpp),
+//   and the communicator stays usable. A recv checks the type and count of its send
+//   through one small MPI message. One MPI round trip per operation: a debugging aid.
 // * Conventions are NCCL's (comm/types.hpp lists them), in place included. ReduceOp::avg
 //   is ncclAvg: floating types multiply each input by 1/size() before summing, so for a
 //   size that is not a power of two the result can differ from sum / size() in the
@@ -66,20 +70,19 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "llmpar/backend/cuda/check.hpp"
 #include "llmpar/comm/communicator.hpp"
+#include "llmpar/comm/detail/mpi.hpp"
+#include "llmpar/comm/detail/verify.hpp"
 #include "llmpar/comm/mpi_comm.hpp"
 #include "llmpar/comm/types.hpp"
 #include "llmpar/core/dtype.hpp"
@@ -136,7 +139,7 @@ struct NcclOptions {
 
 namespace detail {
 
-using Clock = std::chrono::steady_clock;
+using mpi::Clock;
 
 // ---- the runtime-to-NCCL boundary -----------------------------------------------------
 
@@ -178,605 +181,60 @@ constexpr ncclRedOp_t to_nccl(ReduceOp op) {
 // or mapped pinned host memory); 1 ordinary host memory; 2 + d memory of device d.
 inline constexpr std::int64_t kUsable = 0, kHostMemory = 1, kOtherDevice = 2;
 
-inline std::string describe_place(std::int64_t place, std::int64_t device) {
-  if (place == kHostMemory) return "host memory the GPU cannot access";
-  return concat("memory of device ", place - kOtherDevice, ", not of the communicator's device ", device);
+// A buffer of one rank, and where it is.
+struct BufferPlace {
+  int rank;
+  const char* buffer;  // "send" or "recv"
+  std::int64_t place, device;
+};
+
+// The error for the buffers among `buffers` that their devices cannot use ("" when
+// they all can).
+inline std::string misplaced_message(const Op& op, const GroupInfo& group, std::span<const BufferPlace> buffers) {
+  std::string places;
+  for (const BufferPlace& b : buffers) {
+    if (b.place == kUsable) continue;
+    places += concat(places.empty() ? "" : "; ", "on ", group.member(b.rank), " the ", b.buffer, " buffer is ",
+                     b.place == kHostMemory ? std::string("host memory the GPU cannot access")
+                                            : concat("memory of device ", b.place - kOtherDevice,
+                                                     ", not of the communicator's device ", b.device));
+  }
+  if (places.empty()) return {};
+  return concat(op.describe(), " on ", group.describe(), ": NcclComm moves device memory, but ", places,
+                " (allocate the buffers with cudaMalloc on the communicator's device)");
 }
 
 // One rank's row: Op::fingerprint(), where its send and recv buffers are, its device.
 using VerifyRow = std::array<std::int64_t, 8>;
-inline constexpr std::size_t kFingerprintFields = 5, kSendPlace = 5, kRecvPlace = 6, kRowDevice = 7;
+inline constexpr std::size_t kSendPlace = kFingerprintFields.size(), kRecvPlace = kSendPlace + 1,
+                             kRowDevice = kRecvPlace + 1;
+static_assert(kRowDevice + 1 == std::tuple_size_v<VerifyRow>);
 
 inline VerifyRow verify_row(const Op& op, std::int64_t send_place, std::int64_t recv_place, int device) {
   const auto f = op.fingerprint();
   return {f[0], f[1], f[2], f[3], f[4], send_place, recv_place, device};
 }
 
-// "rank 0 has 1024, rank 1 has 1000" (ThreadComm's and MpiComm's words); beyond 16 ranks,
-// ranks with equal values are grouped ("ranks 0-511, 513-1023 have 1024, rank 512 has 1000").
-inline std::string list_rank_values(const GroupInfo& group, const std::vector<std::string>& values) {
-  const std::size_t n = values.size();
-  std::string out;
-  if (n <= 16) {
-    for (std::size_t r = 0; r < n; ++r)
-      out += concat(r ? ", " : "", group.member(static_cast<int>(r)), " has ", values[r]);
-    return out;
-  }
-  std::vector<bool> listed(n, false);
-  for (std::size_t first = 0; first < n; ++first) {
-    if (listed[first]) continue;
-    std::vector<std::size_t> ranks;
-    for (std::size_t r = first; r < n; ++r)
-      if (!listed[r] && values[r] == values[first]) {
-        listed[r] = true;
-        ranks.push_back(r);
-      }
-    std::string spans;
-    for (std::size_t i = 0; i < ranks.size();) {
-      std::size_t j = i;
-      while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-      spans += concat(i ? ", " : "", ranks[i]);
-      if (j > i) spans += concat("-", ranks[j]);
-      i = j + 1;
-    }
-    out += concat(out.empty() ? "" : ", ", ranks.size() > 1 ? "ranks " : "rank ", spans,
-                  ranks.size() > 1 ? " have " : " has ", values[first]);
-  }
-  return out;
-}
-
 // The error every rank throws when the rows of one collective disagree ("" when they
-// agree): the first field that differs, with each rank's value (as ThreadComm and
-// MpiComm word it), else the buffers that their devices cannot use.
-inline std::string verify_message(const Op& mine, const GroupInfo& group, std::span<const VerifyRow> rows) {
-  static constexpr const char* kField[] = {"collective", "element type", "element count", "reduction", "root"};
-  for (std::size_t field = 0; field < kFingerprintFields; ++field) {
-    bool differs = false;
-    for (const auto& row : rows) differs = differs || row[field] != rows[0][field];
-    if (!differs) continue;
-    std::vector<std::string> values;
-    for (const auto& row : rows) {
-      const std::int64_t v = row[field];
-      switch (field) {
-        case 0:
-          values.emplace_back(name_of(static_cast<Collective>(v)));
-          break;
-        case 1:
-          values.emplace_back(name_of(static_cast<DType>(v)));
-          break;
-        case 2:
-          values.push_back(std::to_string(v));
-          break;
-        case 3:
-          values.push_back(v < 0 ? std::string("no reduction") : std::string(name_of(static_cast<ReduceOp>(v))));
-          break;
-        default:
-          values.push_back(v < 0 ? std::string("no root") : std::to_string(v));
-      }
-    }
-    return concat(name_of(mine.kind), " on ", group.describe(), ": ", kField[field],
-                  " differs between ranks: ", list_rank_values(group, values));
+// agree): the first field that differs, with each rank's value (in every engine's
+// words), else the buffers that their devices cannot use. `table` holds every rank's
+// VerifyRow, in rank order.
+inline std::string verify_message(const Op& mine, const GroupInfo& group, std::span<const std::int64_t> table) {
+  constexpr std::size_t kWidth = std::tuple_size_v<VerifyRow>;
+  if (std::string fields = mismatch_message(name_of(mine.kind), group, table, kWidth, kFingerprintFields);
+      !fields.empty())
+    return fields;
+  std::vector<BufferPlace> buffers;
+  for (std::size_t r = 0; r < table.size() / kWidth; ++r) {
+    const auto row = table.subspan(r * kWidth, kWidth);
+    buffers.push_back({static_cast<int>(r), "send", row[kSendPlace], row[kRowDevice]});
+    buffers.push_back({static_cast<int>(r), "recv", row[kRecvPlace], row[kRowDevice]});
   }
-  std::string places;
-  for (std::size_t r = 0; r < rows.size(); ++r) {
-    for (const auto& [index, name] : {std::pair{kSendPlace, "send"}, std::pair{kRecvPlace, "recv"}}) {
-      if (rows[r][index] == kUsable) continue;
-      places += concat(places.empty() ? "" : "; ", "on ", group.member(static_cast<int>(r)), " the ", name,
-                       " buffer is ", describe_place(rows[r][index], rows[r][kRowDevice]));
-    }
-  }
-  if (places.empty()) return {};
-  return concat(mine.describe(), " on ", group.describe(), ": NcclComm moves device memory, but ", places,
-                " (allocate the buffers with cudaMalloc on the communicator's device)");
+  return misplaced_message(mine, group, buffers);
 }
 
-// The receiver's check of a send/recv pair ("" when type and count match), in
-// ThreadComm's words.
-inline std::string p2p_mismatch_message(const Op& send, int sender, const Op& recv, int receiver,
-                                        const GroupInfo& group) {
-  if (send.type == recv.type && send.count == recv.count) return {};
-  return concat(send.describe(), " by ", group.member(sender), " does not match ", recv.describe(), " by ",
-                group.member(receiver), " on ", group.describe(), ": the element ",
-                send.type != recv.type ? "types" : "counts", " differ");
-}
-
-// ---- the diagnosis of a timeout ---------------------------------------------------------
-
-// Which ranks have not issued operation #number of `kind` on `rank` (a send or recv: with
-// `peer`), from the counters read from `ranks` (nullopt: no answer within `grace`), in
-// MpiComm's words. `unknown` says why no counters could be read at all.
-inline std::string arrival_report(const GroupInfo& group, int rank, Collective kind, int peer,
-                                  std::span<const int> ranks, std::span<const std::optional<std::int64_t>> counts,
-                                  std::int64_t number, const std::string& unknown, std::chrono::milliseconds grace) {
-  if (!unknown.empty()) return concat("which ranks did not arrive is unknown: ", unknown);
-  const bool sending = kind == Collective::send, receiving = kind == Collective::recv;
-  std::string missing, numbers, silent;
-  int n_missing = 0, n_silent = 0;
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    const std::string who = group.member(ranks[i]);
-    if (!counts[i]) {
-      silent += concat(n_silent++ ? ", " : "", who);
-    } else if (*counts[i] < number) {
-      missing += concat(n_missing ? ", " : "", who);
-      numbers +=
-          concat(n_missing++ ? ", " : "", who, " has ", sending || receiving ? "posted " : "issued ", *counts[i]);
-    }
-  }
-  std::string report;
-  if (n_missing > 0) {
-    if (sending || receiving) {
-      report = concat("waiting for ", missing, ", which has not posted the matching ", sending ? "recv" : "send",
-                      " (this is ", sending ? "send" : "recv", " #", number, sending ? " to " : " from ", missing, "; ",
-                      numbers, sending ? " recvs from " : " sends to ", group.member(rank), ")");
-    } else {
-      report = concat("waiting for ", missing, ", which did not arrive (this is collective #", number,
-                      " on this communicator; ", numbers, ")");
-    }
-  }
-  if (n_silent > 0)
-    report += concat(report.empty() ? "" : "; ", silent, n_silent > 1 ? " do" : " does",
-                     " not answer the arrival check within ", grace.count(), " ms");
-  if (report.empty())
-    report = sending || receiving
-                 ? concat(group.member(peer), " has posted the matching ", sending ? "recv" : "send",
-                          "; the transfer did not complete (NCCL_DEBUG=WARN may say why)")
-                 : std::string("every rank has arrived; the collective did not complete (NCCL_DEBUG=WARN may say why)");
-  return report;
-}
-
-// ---- waiting ------------------------------------------------------------------------------
-
-// Spin, then yield, then sleep a little longer each time (up to 1 ms): a poll loop that
-// answers quickly when the result comes soon and costs little when it does not.
-class Backoff {
- public:
-  void pause() {
-    if (step_ < 64) {
-      ++step_;
-    } else if (step_ < 256) {
-      ++step_;
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(sleep_);
-      sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
-    }
-  }
-
- private:
-  int step_ = 0;
-  std::chrono::microseconds sleep_{20};
-};
-
-inline bool mpi_usable() {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  return initialized && !finalized;
-}
-
-// Records MPI operations that will never complete where MpiEnvironment looks: it then
-// aborts the job at exit instead of hanging in MPI_Finalize.
-inline void record_abandoned(int operations, const std::string& reason) {
-  if (operations <= 0) return;
-  auto& record = mpi::abandoned();
-  std::lock_guard lock(record.mutex);
-  record.operations += operations;
-  if (record.reason.empty()) record.reason = reason;
-}
-
-// Non-blocking MPI operations given up at a deadline, with the memory they may still
-// use. A later drain() completes those that finished meanwhile (a late rank joined).
-class AbandonedOps {
- public:
-  template <class Storage>
-  void add(MPI_Request request, std::unique_ptr<Storage> storage) {
-    ops_.push_back({request, std::shared_ptr<void>(std::move(storage))});
-  }
-  bool empty() const { return ops_.empty(); }
-
-  // Tests them until `deadline`; true when all completed.
-  bool drain(Clock::time_point deadline) {
-    Backoff backoff;
-    while (true) {
-      std::erase_if(ops_, [](Entry& e) {
-        int flag = 0;
-        return MPI_Test(&e.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag;
-      });
-      if (ops_.empty()) return true;
-      if (Clock::now() >= deadline) return false;
-      backoff.pause();
-    }
-  }
-
-  // Gives up on the rest for good: their memory stays allocated, and they are recorded.
-  void leak(const std::string& reason) {
-    record_abandoned(static_cast<int>(ops_.size()), reason);
-    for (auto& e : ops_) static_cast<void>(new std::shared_ptr<void>(std::move(e.storage)));  // MPI may still use it
-    ops_.clear();
-  }
-
- private:
-  struct Entry {
-    MPI_Request request;
-    std::shared_ptr<void> storage;
-  };
-  std::vector<Entry> ops_;
-};
-
-// ---- who has issued what: the arrival board ---------------------------------------------
-
-// Each rank's counters in an MPI window: [0] collectives issued, [1 + p] sends posted to
-// rank p, [1 + size + p] receives posted from rank p. A rank writes only its own counters
-// (MPI_Accumulate to itself, completed at once); a rank that timed out reads the others'
-// with MPI_Rget_accumulate, which completes without their participation on shared memory
-// and RDMA networks. Reads that get no answer within the grace period are abandoned, and
-// so is the window then (freeing it is collective, and the job is failing anyway).
-class ArrivalBoard {
- public:
-  static constexpr int kCollectives = 0;
-  static constexpr std::chrono::milliseconds kGrace{1000};
-
-  ArrivalBoard() = default;
-  ArrivalBoard(const ArrivalBoard&) = delete;
-  ArrivalBoard& operator=(const ArrivalBoard&) = delete;
-
-  // Collective over `comm` (whose errors return). If any rank cannot make the window,
-  // the board is off on every rank and says so.
-  void open(MPI_Comm comm, int rank, int size) {
-    rank_ = rank;
-    size_ = size;
-    counts_.assign(static_cast<std::size_t>(1 + 2 * size), 0);
-    const auto bytes = static_cast<MPI_Aint>(counts_.size() * sizeof(std::int64_t));
-    std::int64_t* base = nullptr;
-    const int code = MPI_Win_allocate(bytes, sizeof(std::int64_t), MPI_INFO_NULL, comm, &base, &window_);
-    int ok = code == MPI_SUCCESS;
-    if (ok) {
-      std::fill_n(base, counts_.size(), std::int64_t{0});
-      ok = MPI_Win_set_errhandler(window_, MPI_ERRORS_RETURN) == MPI_SUCCESS &&
-           MPI_Win_lock_all(MPI_MODE_NOCHECK, window_) == MPI_SUCCESS;
-      locked_ = ok;
-    }
-    int all_ok = 0;
-    if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS) all_ok = 0;
-    if (all_ok) {
-      unknown_.clear();
-    } else {
-      unknown_ = code == MPI_SUCCESS ? std::string("this MPI could not set up the one-sided window of counters")
-                                     : concat("MPI_Win_allocate failed: ", mpi::error_string(code));
-      keep_window_ = true;  // some rank may hold a window the others lack: never free it
-    }
-  }
-
-  int send_slot(int peer) const { return 1 + peer; }
-  int recv_slot(int peer) const { return 1 + size_ + peer; }
-
-  // Counts one more operation in `slot`, publishes the count, and returns it (1, 2, ...).
-  std::int64_t issue(int slot) {
-    std::int64_t& count = counts_[static_cast<std::size_t>(slot)];
-    ++count;
-    if (unknown_.empty() &&
-        (MPI_Accumulate(&count, 1, MPI_INT64_T, rank_, slot, 1, MPI_INT64_T, MPI_REPLACE, window_) != MPI_SUCCESS ||
-         MPI_Win_flush(rank_, window_) != MPI_SUCCESS))
-      unknown_ = "publishing this rank's arrival counter failed";
-    return count;
-  }
-
-  // Why the counters cannot be read ("" when they can).
-  const std::string& unknown() const { return unknown_; }
-
-  // Counter `slot` of each of `ranks`; nullopt for those that do not answer within kGrace.
-  std::vector<std::optional<std::int64_t>> read(int slot, std::span<const int> ranks) {
-    std::vector<std::optional<std::int64_t>> out(ranks.size());
-    if (!unknown_.empty() || ranks.empty()) return out;
-    auto values = std::make_unique<std::vector<std::int64_t>>(ranks.size());
-    std::vector<MPI_Request> requests(ranks.size(), MPI_REQUEST_NULL);
-    std::vector<bool> done(ranks.size(), false);
-    for (std::size_t i = 0; i < ranks.size(); ++i)
-      done[i] = MPI_Rget_accumulate(nullptr, 0, MPI_INT64_T, &(*values)[i], 1, MPI_INT64_T, ranks[i], slot, 1,
-                                    MPI_INT64_T, MPI_NO_OP, window_, &requests[i]) != MPI_SUCCESS;
-    const auto deadline = Clock::now() + kGrace;
-    Backoff backoff;
-    for (bool pending = true; pending;) {
-      pending = false;
-      for (std::size_t i = 0; i < ranks.size(); ++i) {
-        if (done[i]) continue;
-        int flag = 0;
-        if (MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) {
-          done[i] = true;
-          if (flag) out[i] = (*values)[i];
-        } else {
-          pending = true;
-        }
-      }
-      if (pending && Clock::now() >= deadline) {
-        keep_window_ = true;
-        unknown_ = "an earlier arrival check never finished";
-        auto shared = std::shared_ptr<std::vector<std::int64_t>>(std::move(values));
-        for (std::size_t i = 0; i < ranks.size(); ++i)
-          if (!done[i]) abandoned_.add(requests[i], std::make_unique<std::shared_ptr<void>>(shared));
-        break;
-      }
-      if (pending) backoff.pause();
-    }
-    return out;
-  }
-
-  // Unlocks and frees the window, collectively, when `together` and nothing was
-  // abandoned; otherwise leaves it to the end of the process.
-  void close(bool together) noexcept {
-    if (window_ == MPI_WIN_NULL) return;
-    if (together && !keep_window_ && abandoned_.empty()) {
-      if (locked_) MPI_Win_unlock_all(window_);
-      MPI_Win_free(&window_);
-    } else if (!abandoned_.empty() && !abandoned_.drain(Clock::now() + kGrace)) {
-      abandoned_.leak("an NcclComm arrival check that got no answer");
-    }
-    window_ = MPI_WIN_NULL;
-  }
-
- private:
-  MPI_Win window_ = MPI_WIN_NULL;
-  std::vector<std::int64_t> counts_;
-  int rank_ = 0, size_ = 0;
-  bool locked_ = false, keep_window_ = false;
-  std::string unknown_ = "the counters were never set up";
-  AbandonedOps abandoned_;
-};
-
-// ---- the control channel ----------------------------------------------------------------
-
-// What a check over the control channel found: agreement; a difference every rank saw
-// alike (the communicator stays usable); or a failure after which the ranks are out of
-// step (the communicator must be aborted).
-struct ControlOutcome {
-  enum Kind { ok, mismatch, broken } kind = ok;
-  std::string message;
-};
-
-// The MPI side of an NcclComm, without CUDA or NCCL: a private duplicate of the user's
-// communicator, the arrival board, and the exchanges of verify mode. Every step is a
-// non-blocking MPI call polled against a deadline; one that passes its deadline is
-// abandoned (see AbandonedOps) and the caller fails.
-class Control {
- public:
-  static constexpr int kFingerprintTag = 7;
-
-  Control() = default;
-  Control(const Control&) = delete;
-  Control& operator=(const Control&) = delete;
-  ~Control() { close(false); }
-
-  // Duplicates `comm` (collective over it). Throws if not every rank arrives in time.
-  void open(MPI_Comm comm, std::chrono::milliseconds timeout, const std::string& what) {
-    timeout_ = timeout;
-    LLMPAR_CHECK(mpi_usable(), what, ": MPI is ", mpi_finalized() ? "already finalized" : "not initialised",
-                 "; create a comm::MpiEnvironment first (it calls MPI_Init_thread) and keep it alive while "
-                 "communicators exist");
-    LLMPAR_CHECK(comm != MPI_COMM_NULL, what, ": the MPI communicator is MPI_COMM_NULL");
-    auto storage = std::make_unique<Storage>();
-    MPI_Request request = MPI_REQUEST_NULL;
-    LLMPAR_CHECK_MPI(MPI_Comm_idup(comm, &storage->comm, &request), what);
-    const MPI_Comm* dup = &storage->comm;
-    if (!wait(request, Clock::now() + timeout_, storage))
-      LLMPAR_FAIL(what, " timed out after ", timeout_.count(),
-                  " ms: every rank of the MPI communicator must construct it together, and at least one did not");
-    adopt(*dup, what);
-  }
-
-  // Takes a new communicator (from MPI_Comm_split) and opens its board. Collective.
-  void adopt(MPI_Comm comm, const std::string& what) {
-    comm_ = comm;
-    LLMPAR_CHECK_MPI(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), what);
-    LLMPAR_CHECK_MPI(MPI_Comm_rank(comm_, &rank_), what);
-    LLMPAR_CHECK_MPI(MPI_Comm_size(comm_, &size_), what);
-    board_.open(comm_, rank_, size_);
-  }
-
-  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
-  MPI_Comm comm() const { return comm_; }
-  int rank() const { return rank_; }
-  int size() const { return size_; }
-  ArrivalBoard& board() { return board_; }
-
-  // Every rank's `values` (as many on each), in rank order; nullopt if not every rank
-  // arrived by `deadline`.
-  std::optional<std::vector<std::int64_t>> all_gather(std::span<const std::int64_t> values, Clock::time_point deadline,
-                                                      const char* what) {
-    auto storage = std::make_unique<Storage>();
-    storage->in.assign(values.begin(), values.end());
-    storage->out.resize(values.size() * static_cast<std::size_t>(size_));
-    std::vector<std::int64_t>* out = &storage->out;
-    MPI_Request request = MPI_REQUEST_NULL;
-    LLMPAR_CHECK_MPI(MPI_Iallgather(storage->in.data(), static_cast<int>(values.size()), MPI_INT64_T, out->data(),
-                                    static_cast<int>(values.size()), MPI_INT64_T, comm_, &request),
-                     what);
-    if (!wait(request, deadline, storage)) return std::nullopt;
-    return std::move(*out);
-  }
-
-  // Broadcasts `data` from `root` into every rank's `data`; false if not every rank
-  // arrived by `deadline`.
-  bool broadcast(std::span<std::byte> data, int root, Clock::time_point deadline, const char* what) {
-    auto storage = std::make_unique<Storage>();
-    storage->bytes.assign(data.begin(), data.end());
-    const std::vector<std::byte>* bytes = &storage->bytes;
-    MPI_Request request = MPI_REQUEST_NULL;
-    LLMPAR_CHECK_MPI(MPI_Ibcast(storage->bytes.data(), static_cast<int>(data.size()), MPI_BYTE, root, comm_, &request),
-                     what);
-    if (!wait(request, deadline, storage)) return false;
-    std::copy(bytes->begin(), bytes->end(), data.begin());
-    return true;
-  }
-
-  // Every rank at once; false if not every rank arrived by `deadline` (or MPI failed).
-  bool barrier(Clock::time_point deadline) noexcept {
-    try {
-      auto storage = std::make_unique<Storage>();
-      MPI_Request request = MPI_REQUEST_NULL;
-      if (MPI_Ibarrier(comm_, &request) != MPI_SUCCESS) return false;
-      return wait(request, deadline, storage);
-    } catch (...) {
-      return false;
-    }
-  }
-
-  // Verify mode for a collective (#number on this communicator): every rank agrees on
-  // `row`, or every rank gets the same message.
-  ControlOutcome verify_collective(const Op& op, const GroupInfo& group, const VerifyRow& row, std::int64_t number,
-                                   Clock::time_point deadline) {
-    // MIN over (fingerprint, -fingerprint, -places) gives each field's minimum and maximum.
-    constexpr std::size_t kF = kFingerprintFields;
-    auto storage = std::make_unique<Storage>();
-    storage->in.resize(2 * kF + 2);
-    storage->out.resize(2 * kF + 2);
-    for (std::size_t i = 0; i < kF; ++i) {
-      storage->in[i] = row[i];
-      storage->in[kF + i] = -row[i];
-    }
-    storage->in[2 * kF] = -row[kSendPlace];
-    storage->in[2 * kF + 1] = -row[kRecvPlace];
-    const std::vector<std::int64_t>* out = &storage->out;
-    MPI_Request request = MPI_REQUEST_NULL;
-    if (MPI_Iallreduce(storage->in.data(), storage->out.data(), static_cast<int>(2 * kF + 2), MPI_INT64_T, MPI_MIN,
-                       comm_, &request) != MPI_SUCCESS)
-      return {ControlOutcome::broken,
-              concat(op.describe(), " on ", group.describe(), ": verify mode's MPI_Iallreduce failed")};
-    if (!wait(request, deadline, storage)) return timed_out(op, group, number, " in verify mode's check");
-    bool agree = (*out)[2 * kF] == 0 && (*out)[2 * kF + 1] == 0;
-    for (std::size_t i = 0; i < kF; ++i) agree = agree && (*out)[i] == -(*out)[kF + i];
-    if (agree) return {};
-    const auto rows = all_gather(row, deadline, "verify mode's check");
-    if (!rows) return timed_out(op, group, number, " in verify mode's check");
-    std::vector<VerifyRow> table(static_cast<std::size_t>(size_));
-    for (std::size_t r = 0; r < table.size(); ++r)
-      std::copy_n(rows->begin() + static_cast<std::ptrdiff_t>(r * row.size()), row.size(), table[r].begin());
-    return {ControlOutcome::mismatch, verify_message(op, group, table)};
-  }
-
-  // Verify mode for a send: tells the receiver what comes (it checks).
-  void post_fingerprint(const Op& op) {
-    auto storage = std::make_unique<Storage>();
-    storage->in = {static_cast<std::int64_t>(op.type), static_cast<std::int64_t>(op.count)};
-    MPI_Request request = MPI_REQUEST_NULL;
-    LLMPAR_CHECK_MPI(MPI_Isend(storage->in.data(), 2, MPI_INT64_T, op.root, kFingerprintTag, comm_, &request),
-                     op.describe(), ": verify mode's message to ", op.root);
-    sends_.push_back({request, std::move(storage)});
-  }
-
-  // Verify mode for a recv (#number from its peer): its send's type and count must match.
-  ControlOutcome check_fingerprint(const Op& op, const GroupInfo& group, std::int64_t number,
-                                   Clock::time_point deadline) {
-    auto storage = std::make_unique<Storage>();
-    storage->out.resize(2);
-    const std::vector<std::int64_t>* message = &storage->out;
-    MPI_Request request = MPI_REQUEST_NULL;
-    if (MPI_Irecv(storage->out.data(), 2, MPI_INT64_T, op.root, kFingerprintTag, comm_, &request) != MPI_SUCCESS)
-      return {ControlOutcome::broken,
-              concat(op.describe(), " on ", group.describe(), ": verify mode's MPI_Irecv failed")};
-    if (!wait(request, deadline, storage)) return timed_out(op, group, number, " in verify mode's check");
-    Op send = op;
-    send.kind = Collective::send;
-    send.type = static_cast<DType>((*message)[0]);
-    send.count = static_cast<std::size_t>((*message)[1]);
-    send.root = rank_;
-    std::string error = p2p_mismatch_message(send, op.root, op, rank_, group);
-    if (error.empty()) return {};
-    return {ControlOutcome::broken, std::move(error)};
-  }
-
-  // "<op> on <group> timed out after N ms on rank R<where>, <who did not arrive>".
-  ControlOutcome timed_out(const Op& op, const GroupInfo& group, std::int64_t number, const char* where) {
-    return {ControlOutcome::broken,
-            concat(op.describe(), " on ", group.describe(), " timed out after ", timeout_.count(), " ms on ",
-                   group.member(rank_), where, ", ", arrivals(op, group, number))};
-  }
-
-  // Who operation #number (in its counter) waits for, from the others' counters.
-  std::string arrivals(const Op& op, const GroupInfo& group, std::int64_t number) {
-    const bool sending = op.kind == Collective::send, receiving = op.kind == Collective::recv;
-    std::vector<int> ranks;
-    if (sending || receiving) {
-      ranks.push_back(op.root);
-    } else {
-      for (int r = 0; r < size_; ++r)
-        if (r != rank_) ranks.push_back(r);
-    }
-    // The peer's receives from this rank, its sends to this rank, or its collectives.
-    const int slot = sending     ? board_.recv_slot(rank_)
-                     : receiving ? board_.send_slot(rank_)
-                                 : ArrivalBoard::kCollectives;
-    const std::string unknown = board_.unknown();
-    const auto counts = board_.read(slot, ranks);
-    return arrival_report(group, rank_, op.kind, op.root, ranks, counts, number, unknown, ArrivalBoard::kGrace);
-  }
-
-  // Forgets the verify-mode messages that their receivers have taken.
-  void prune() {
-    std::erase_if(sends_, [](Pending& p) {
-      int flag = 0;
-      return MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag;
-    });
-  }
-
-  // Frees the channel; collective when `together` (the board's window is then freed).
-  // What never completed stays allocated and is recorded (see record_abandoned).
-  void close(bool together) noexcept {
-    if (comm_ == MPI_COMM_NULL && abandoned_.empty()) return;
-    if (mpi_usable()) {
-      try {
-        for (auto& p : sends_) abandoned_.add(p.request, std::move(p.storage));
-        sends_.clear();
-        if (!abandoned_.drain(Clock::now() + ArrivalBoard::kGrace))
-          abandoned_.leak("an NcclComm's MPI exchange that timed out");
-      } catch (...) {
-      }
-      board_.close(together);
-      if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-    }
-    comm_ = MPI_COMM_NULL;
-  }
-
- private:
-  // What a non-blocking call reads and writes, on the heap so that it can outlive an
-  // abandoned call.
-  struct Storage {
-    std::vector<std::int64_t> in, out;
-    std::vector<std::byte> bytes;
-    MPI_Comm comm = MPI_COMM_NULL;
-  };
-  struct Pending {
-    MPI_Request request;
-    std::unique_ptr<Storage> storage;
-  };
-
-  static bool mpi_finalized() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    return finalized != 0;
-  }
-
-  // Polls `request` until done (true) or `deadline` (false: it is abandoned with `storage`).
-  bool wait(MPI_Request& request, Clock::time_point deadline, std::unique_ptr<Storage>& storage) {
-    Backoff backoff;
-    while (true) {
-      int flag = 0;
-      LLMPAR_CHECK_MPI(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "an NcclComm's control channel");
-      if (flag) return true;
-      if (Clock::now() >= deadline) {
-        abandoned_.add(request, std::move(storage));
-        return false;
-      }
-      backoff.pause();
-    }
-  }
-
-  MPI_Comm comm_ = MPI_COMM_NULL;
-  int rank_ = 0, size_ = 1;
-  std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
-  ArrivalBoard board_;
-  std::vector<Pending> sends_;
-  AbandonedOps abandoned_;
-};
+// The end of a timeout's report when every rank has arrived and NCCL did not complete.
+inline constexpr std::string_view kNcclStalled = " (NCCL_DEBUG=WARN may say why)";
 
 // ---- the CUDA side ------------------------------------------------------------------------
 
@@ -825,7 +283,7 @@ struct NcclState {
   NcclOptions options;
   GroupInfo group;
   int rank = 0, size = 1, device = 0;
-  Control control;
+  mpi::Channel control;
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   cudaStream_t compute = cudaStreamLegacy;  // whose earlier work each operation waits for
@@ -847,7 +305,7 @@ struct NcclState {
     const bool restore = cudaGetDevice(&current) == cudaSuccess && current != device;
     if (restore) static_cast<void>(cudaSetDevice(device));
     // Every rank here, destroying it normally: then all finalise, and free the window.
-    const bool healthy = comm != nullptr && complete_ && aborted.empty() && !unwinding && mpi_usable();
+    const bool healthy = comm != nullptr && complete_ && aborted.empty() && !unwinding && mpi::usable();
     const bool together = healthy && control.barrier(Clock::now() + options.timeout);
     if (healthy && !together)
       std::fprintf(stderr, "llmpar: NcclComm on %s: not every rank destroyed it within %lld ms; aborting it\n",
@@ -872,7 +330,7 @@ struct NcclState {
 
   // Polls a non-blocking communicator until it leaves ncclInProgress, or the deadline.
   static ncclResult_t settle(ncclComm_t c, Clock::time_point deadline) noexcept {
-    Backoff backoff;
+    mpi::Backoff backoff;
     while (true) {
       ncclResult_t state = ncclSuccess;
       if (const ncclResult_t r = ncclCommGetAsyncError(c, &state); r != ncclSuccess) return r;
@@ -1015,16 +473,6 @@ struct NcclState {
   }
 };
 
-// Whether LLMPAR_COMM_VERIFY asks for verify mode (as MpiComm reads it).
-inline bool verify_from_environment(bool verify) {
-  const char* value = std::getenv("LLMPAR_COMM_VERIFY");
-  if (value == nullptr || *value == '\0') return verify;
-  const std::string_view v(value);
-  LLMPAR_CHECK(v == "0" || v == "1", "LLMPAR_COMM_VERIFY=", v,
-               " is not 0 or 1; set LLMPAR_COMM_VERIFY=1 to check every collective across ranks, 0 not to");
-  return verify || v == "1";
-}
-
 }  // namespace detail
 
 // One rank of a group of CUDA devices. Movable, not copyable; belongs to its rank.
@@ -1047,7 +495,7 @@ class NcclComm : public Collectives<NcclComm> {
     ~Request() { release(); }
 
     void wait() {
-      detail::Backoff backoff;
+      detail::mpi::Backoff backoff;
       while (!test()) backoff.pause();
     }
 
@@ -1098,7 +546,7 @@ class NcclComm : public Collectives<NcclComm> {
 
    private:
     friend class NcclComm;
-    Request(std::shared_ptr<detail::NcclState> state, const Op& op, std::int64_t number)
+    Request(std::shared_ptr<detail::NcclState> state, const Op& op, std::uint64_t number)
         : state_(std::move(state)), op_(op), number_(number) {
       start_ = state_->take_event();
       try {
@@ -1131,7 +579,7 @@ class NcclComm : public Collectives<NcclComm> {
 
     std::shared_ptr<detail::NcclState> state_;
     Op op_;
-    std::int64_t number_ = 0;  // its number in its arrival counter
+    std::uint64_t number_ = 0;  // its number in its arrival counter
     cudaEvent_t start_ = nullptr, done_ = nullptr;
     detail::Clock::time_point since_{};  // when it was first seen running (or first polled)
     bool started_ = false, polled_ = false, finished_ = false;
@@ -1153,7 +601,7 @@ class NcclComm : public Collectives<NcclComm> {
     LLMPAR_CHECK(device >= 0 && device < devices, what, ": device ", device, " does not exist; this process sees ",
                  devices, " CUDA device(s): 0..", devices - 1);
     s.device = device;
-    s.control.open(comm, options.timeout, what);
+    s.control.open(comm, options.timeout, what, detail::kNcclStalled);
     s.rank = s.control.rank();
     s.size = s.control.size();
     const auto deadline = detail::Clock::now() + options.timeout;
@@ -1249,17 +697,14 @@ class NcclComm : public Collectives<NcclComm> {
     const auto deadline = detail::Clock::now() + s.options.timeout;
     const bool p2p = op.kind == Collective::send || op.kind == Collective::recv;
     if (p2p && s.options.verify) {  // a local check: the peer learns of a failure by timing out
-      const std::int64_t place = detail::buffer_place(op.kind == Collective::send ? op.send : op.recv, s.device);
-      LLMPAR_CHECK(op.count == 0 || place == detail::kUsable, op.describe(), " on ", s.group.describe(),
-                   ": NcclComm moves device memory, but on ", s.group.member(s.rank), " the ",
-                   op.kind == Collective::send ? "send" : "recv", " buffer is ",
-                   detail::describe_place(place, s.device),
-                   " (allocate the buffers with cudaMalloc on the communicator's device)");
+      const bool sending = op.kind == Collective::send;
+      const detail::BufferPlace mine{
+          s.rank, sending ? "send" : "recv",
+          op.count ? detail::buffer_place(sending ? op.send : op.recv, s.device) : detail::kUsable, s.device};
+      if (std::string error = detail::misplaced_message(op, s.group, std::span(&mine, 1)); !error.empty())
+        LLMPAR_FAIL(error);
     }
-    auto& board = s.control.board();
-    const std::int64_t number = board.issue(!p2p                          ? detail::ArrivalBoard::kCollectives
-                                            : op.kind == Collective::send ? board.send_slot(op.root)
-                                                                          : board.recv_slot(op.root));
+    const std::uint64_t number = s.control.board().enter(op);
     if (s.options.verify) verify(op, number, deadline);
 
     LLMPAR_CHECK_CUDA(cudaEventRecord(s.compute_ready, s.compute));
@@ -1282,14 +727,14 @@ class NcclComm : public Collectives<NcclComm> {
                  " is negative; use colors >= 0 (members with the same color form one communicator)");
     detail::DeviceGuard guard(s.device);
     const auto deadline = detail::Clock::now() + s.options.timeout;
-    const std::int64_t number = s.control.board().issue(detail::ArrivalBoard::kCollectives);
+    const std::uint64_t number = s.control.board().enter(Op{});
 
     // Who goes where; this also proves that every rank is here before the blocking calls.
     const std::array<std::int64_t, 2> mine{color, key};
     const auto all = s.control.all_gather(mine, deadline, "split");
     if (!all)
-      s.fail(detail::concat(what, " timed out after ", s.options.timeout.count(), " ms on ", s.group.member(s.rank),
-                            ", ", s.control.arrivals(Op{}, s.group, number)));
+      s.fail(detail::mpi::timeout_message(detail::concat("split into '", name, "'"), s.group, s.rank, s.options.timeout,
+                                          "", s.control.arrivals(Op{}, s.group, number)));
     const auto color_of = [&](int r) { return (*all)[static_cast<std::size_t>(2 * r)]; };
     const auto key_of = [&](int r) { return (*all)[static_cast<std::size_t>(2 * r + 1)]; };
     std::vector<int> members;
@@ -1312,7 +757,7 @@ class NcclComm : public Collectives<NcclComm> {
     if (const int code = MPI_Comm_split(s.control.comm(), color, key, &sub); code != MPI_SUCCESS)
       s.fail(detail::concat(what, ": MPI_Comm_split failed: ", detail::mpi::error_string(code)));
     c.control.set_timeout(c.options.timeout);
-    c.control.adopt(sub, what);
+    c.control.adopt(sub, what, detail::kNcclStalled);
     LLMPAR_CHECK(c.control.rank() == child_rank && c.control.size() == c.size, what,
                  ": MPI ordered the ranks differently (rank ", c.control.rank(), " of ", c.control.size(),
                  ", expected ", child_rank, " of ", c.size, ")");
@@ -1349,9 +794,9 @@ class NcclComm : public Collectives<NcclComm> {
   }
 
   // Verify mode: the ranks compare the operation before it is enqueued.
-  void verify(const Op& op, std::int64_t number, detail::Clock::time_point deadline) {
+  void verify(const Op& op, std::uint64_t number, detail::Clock::time_point deadline) {
     detail::NcclState& s = state();
-    detail::ControlOutcome outcome;
+    detail::mpi::ControlOutcome outcome;
     if (op.kind == Collective::send) {
       s.control.post_fingerprint(op);
       return;
@@ -1362,11 +807,12 @@ class NcclComm : public Collectives<NcclComm> {
       const BufferCounts counts = buffer_counts(op, s.size, s.rank);
       const std::int64_t send_place = counts.send ? detail::buffer_place(op.send, s.device) : detail::kUsable;
       const std::int64_t recv_place = counts.recv ? detail::buffer_place(op.recv, s.device) : detail::kUsable;
-      outcome = s.control.verify_collective(op, s.group, detail::verify_row(op, send_place, recv_place, s.device),
-                                            number, deadline);
+      const detail::VerifyRow row = detail::verify_row(op, send_place, recv_place, s.device);
+      outcome = s.control.verify(op, s.group, row, detail::kFingerprintFields.size(), 2, number, deadline);
     }
-    if (outcome.kind == detail::ControlOutcome::mismatch) LLMPAR_FAIL(outcome.message);
-    if (outcome.kind == detail::ControlOutcome::broken) s.fail(outcome.message);
+    if (outcome.kind == detail::mpi::ControlOutcome::mismatch)
+      LLMPAR_FAIL(detail::verify_message(op, s.group, outcome.rows));
+    if (outcome.kind == detail::mpi::ControlOutcome::broken) s.fail(outcome.message);
   }
 
   std::shared_ptr<detail::NcclState> state_;

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "llmpar/comm/communicator.hpp"
+#include "llmpar/comm/detail/verify.hpp"
 #include "llmpar/comm/types.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
@@ -256,30 +257,73 @@ inline void stream_fence() {
 }
 
 // For i in [begin, end): out[j][i] = op over ranks k = 0..n-1 of in[k][i], in that
-// order, for each of the n_out outputs. A chunk of results stays in L1 so that every
-// input is read once and every output written once.
+// order, for each of the n_out outputs. One pass: 64-byte blocks of every input are
+// read side by side (streams the hardware prefetchers follow) and reduced in
+// registers; a short run of results then goes to every output.
 template <class T, class Reduce>
 void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size_t begin, std::size_t end,
                   Reduce reduce, ReduceOp op, bool streaming) {
   using A = acc_t<T>;
-  constexpr std::size_t kChunk = 2048;
-  alignas(kCacheLine) A acc[kChunk];
-  alignas(kCacheLine) T result[kChunk];
-  for (std::size_t c = begin; c < end; c += kChunk) {
-    const std::size_t len = std::min(kChunk, end - c);
-    const T* first = in[0] + c;
-    for (std::size_t i = 0; i < len; ++i) acc[i] = load(first[i]);
-    for (int k = 1; k < n; ++k) {
-      const T* src = in[k] + c;
-      for (std::size_t i = 0; i < len; ++i) acc[i] = reduce(acc[i], load(src[i]));
+  constexpr std::size_t kBlock = 64 / sizeof(T);
+  const bool avg = op == ReduceOp::avg;
+  // Reduces [i, i + len) (len <= kBlock) into result.
+  auto reduce_block = [&](std::size_t i, std::size_t len, T* result) {
+    A acc[kBlock];
+    for (std::size_t j = 0; j < len; ++j) acc[j] = load(in[0][i + j]);
+    for (int k = 1; k < n; ++k)
+      for (std::size_t j = 0; j < len; ++j) acc[j] = reduce(acc[j], load(in[k][i + j]));
+    for (std::size_t j = 0; j < len; ++j) result[j] = store<T>(avg ? finish(op, acc[j], n) : acc[j]);
+  };
+  auto tail = [&](std::size_t i, std::size_t len) {
+    alignas(kCacheLine) T result[kBlock];
+    reduce_block(i, len, result);
+    for (int o = 0; o < n_out; ++o) std::memcpy(out[o] + i, result, len * sizeof(T));
+  };
+  std::size_t i = begin;
+  // Non-temporal stores need 16-byte aligned destinations: start where out[0] is, and
+  // stream only if every output is aligned the same way (buffers from one allocator are).
+  const auto misalignment = [&](const T* p) { return reinterpret_cast<std::uintptr_t>(p) % 16; };
+  if (streaming) {
+    while (i < end && misalignment(out[0] + i) != 0) {
+      tail(i, 1);
+      ++i;
     }
-    if (op == ReduceOp::avg) {
-      for (std::size_t i = 0; i < len; ++i) result[i] = store<T>(finish(op, acc[i], n));
-    } else {
-      for (std::size_t i = 0; i < len; ++i) result[i] = store<T>(acc[i]);
-    }
-    for (int j = 0; j < n_out; ++j) copy_out(out[j] + c, result, len * sizeof(T), streaming);
+    for (int o = 1; o < n_out; ++o) streaming = streaming && misalignment(out[o] + i) == 0;
   }
+  // Results gather in a 1 KiB run before they go out, so each output receives long
+  // runs of whole lines: interleaving every output 64 bytes at a time defeats the
+  // write-combining buffers once there are more than two outputs.
+  constexpr std::size_t kRun = 1024 / sizeof(T);
+  for (; i + kBlock <= end;) {
+    alignas(kCacheLine) T result[kRun];
+    const std::size_t run = std::min(kRun, (end - i) / kBlock * kBlock);
+    for (std::size_t b = 0; b < run; b += kBlock) {
+      A acc[kBlock];
+      for (std::size_t j = 0; j < kBlock; ++j) acc[j] = load(in[0][i + b + j]);
+      for (int k = 1; k < n; ++k) {
+        const T* src = in[k] + i + b;
+        for (std::size_t j = 0; j < kBlock; ++j) acc[j] = reduce(acc[j], load(src[j]));
+      }
+      if (avg) {
+        for (std::size_t j = 0; j < kBlock; ++j) result[b + j] = store<T>(finish(op, acc[j], n));
+      } else {
+        for (std::size_t j = 0; j < kBlock; ++j) result[b + j] = store<T>(acc[j]);
+      }
+    }
+    for (int o = 0; o < n_out; ++o) {
+#if defined(__SSE2__)
+      if (streaming) {
+        auto* d = reinterpret_cast<__m128i*>(out[o] + i);
+        const auto* r = reinterpret_cast<const __m128i*>(result);
+        for (std::size_t q = 0; q < run * sizeof(T) / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(r + q));
+        continue;
+      }
+#endif
+      std::memcpy(out[o] + i, result, run * sizeof(T));
+    }
+    i += run;
+  }
+  if (i < end) tail(i, end - i);
   if (streaming) stream_fence();
 }
 
@@ -469,14 +513,8 @@ class ThreadMember {
     }
     const Op& s = sending ? op : match->op;
     const Op& r = sending ? match->op : op;
-    std::string error;
-    if (s.type != r.type || s.count != r.count) {
-      error = concat(s.describe(), " by ", group().member(sending ? rank_ : peer), " does not match ", r.describe(),
-                     " by ", group().member(sending ? peer : rank_), " on ", group().describe(), ": the element ",
-                     s.type != r.type ? "types" : "counts", " differ");
-    } else if (s.count) {
-      std::memcpy(r.recv, s.send, s.count * size_of(s.type));
-    }
+    const std::string error = p2p_mismatch_message(s, sending ? rank_ : peer, r, sending ? peer : rank_, group());
+    if (error.empty() && s.count) std::memcpy(r.recv, s.send, s.count * size_of(s.type));
     match->error = error;
     mine->error = error;
     match->done.store(true, std::memory_order_release);
@@ -528,46 +566,14 @@ class ThreadMember {
   }
 
   [[noreturn]] void throw_mismatch(const Op& op, bool splitting) {
-    static constexpr const char* kField[] = {"collective", "element type", "element count", "reduction", "root"};
-    auto fields = [&](int r) {
-      auto f = posted(r).op.fingerprint();
-      if (posted(r).splitting) f[0] = -1;  // split is its own kind of collective
-      return f;
-    };
-    const auto reference = fields(0);
-    std::size_t field = 0;
-    for (int r = 0; r < size() && field == 0; ++r) {
-      const auto f = fields(r);
-      for (std::size_t i = 0; i < f.size(); ++i)
-        if (f[i] != reference[i]) {
-          field = i;
-          break;
-        }
-    }
-    std::string values;
+    std::vector<std::int64_t> table;  // every member's fingerprint, in rank order
     for (int r = 0; r < size(); ++r) {
-      const Op& o = posted(r).op;
-      std::string value;
-      switch (field) {
-        case 0:
-          value = posted(r).splitting ? std::string("split") : std::string(name_of(o.kind));
-          break;
-        case 1:
-          value = std::string(name_of(o.type));
-          break;
-        case 2:
-          value = std::to_string(o.count);
-          break;
-        case 3:
-          value = has_reduction(o.kind) ? std::string(name_of(o.reduce)) : std::string("no reduction");
-          break;
-        default:
-          value = has_root(o.kind) ? std::to_string(o.root) : std::string("no root");
-      }
-      values += concat(r ? ", " : "", group().member(r), " has ", value);
+      auto f = posted(r).op.fingerprint();
+      if (posted(r).splitting) f[0] = kSplitKind;  // split is its own kind of collective
+      table.insert(table.end(), f.begin(), f.end());
     }
-    const std::string message = concat(splitting ? std::string("split") : op.describe(), " on ", group().describe(),
-                                       ": ", kField[field], " differs between ranks: ", values);
+    const std::string message = mismatch_message(splitting ? std::string_view("split") : name_of(op.kind), group(),
+                                                 table, kFingerprintFields.size(), kFingerprintFields);
     // Everyone has read the slots before anyone reuses them; the group stays usable
     // for the next, matching, operation.
     sync(op);
@@ -661,7 +667,10 @@ class ThreadMember {
           }
           break;
         case Collective::broadcast:
-          if (rank_ != op.root) std::memcpy(recv, posted(op.root).send, block);
+          if (rank_ != op.root)
+            std::memcpy(recv, posted(op.root).send, block);
+          else if (op.send != op.recv)  // the root's own out-of-place copy
+            std::memcpy(recv, op.send, block);
           break;
         case Collective::all_to_all:
           for (int i = 0; i < n; ++i) {
