@@ -256,6 +256,8 @@ inline void stream_fence() {
 #endif
 }
 
+inline constexpr int kMaxStreamedOutputs = 64;
+
 // For i in [begin, end): out[j][i] = op over ranks k = 0..n-1 of in[k][i], in that
 // order, for each of the n_out outputs. One pass: 64-byte blocks of every input are
 // read side by side (streams the hardware prefetchers follow) and reduced in
@@ -290,6 +292,13 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
     }
     for (int o = 1; o < n_out; ++o) streaming = streaming && misalignment(out[o] + i) == 0;
   }
+  // An output that is also an input (in place) was just read into the cache: plain
+  // stores suit it better than non-temporal ones, which would evict those lines.
+  bool stream_to[kMaxStreamedOutputs] = {};
+  for (int o = 0; o < n_out && o < kMaxStreamedOutputs; ++o) {
+    stream_to[o] = streaming;
+    for (int k = 0; k < n; ++k) stream_to[o] = stream_to[o] && static_cast<const T*>(out[o]) != in[k];
+  }
   // Results gather in a 1 KiB run before they go out, so each output receives long
   // runs of whole lines: interleaving every output 64 bytes at a time defeats the
   // write-combining buffers once there are more than two outputs.
@@ -312,7 +321,7 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
     }
     for (int o = 0; o < n_out; ++o) {
 #if defined(__SSE2__)
-      if (streaming) {
+      if (o < kMaxStreamedOutputs && stream_to[o]) {
         auto* d = reinterpret_cast<__m128i*>(out[o] + i);
         const auto* r = reinterpret_cast<const __m128i*>(result);
         for (std::size_t q = 0; q < run * sizeof(T) / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(r + q));
