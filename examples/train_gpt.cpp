@@ -11,6 +11,7 @@
 // global batch; gradients and losses are averaged over the ranks, so --ranks N with
 // --batch B trains exactly as one rank with --batch N*B. Rank 0 prints and writes.
 #include <CLI/CLI.hpp>
+#include <array>
 #include <cstdio>
 #include <exception>
 #include <llmpar/llmpar.hpp>
@@ -218,14 +219,18 @@ int main(int argc, char** argv) {
       "  Under mpirun/srun there is one rank per process instead.");
   CLI11_PARSE(app, argc, argv);
   try {
-    // The sgemm peak of this process's cores, times the processes (thread ranks share one).
-    double peak = o.peak_gflops;
-    if (peak <= 0.0) {
-      backend::cpu::Context ctx;
-      peak = backend::cpu::measure_sgemm_peak_gflops(ctx) * (launch->engine() == Engine::mpi ? launch->world_size() : 1);
-    }
     int status = 0;
     launch->run([&](comm::Comm& world) {
+      // The sgemm peak of all the ranks together: each measures on its own share of the
+      // cores at the same time as the others, and the ranks add up what they measured.
+      double peak = o.peak_gflops;
+      if (peak <= 0.0) {
+        backend::cpu::Context ctx;
+        world.barrier();
+        std::array<float, 1> mine{static_cast<float>(backend::cpu::measure_sgemm_peak_gflops(ctx))};
+        world.all_reduce(mine);
+        peak = mine[0];
+      }
       const int rc = run(o, world, peak);
       if (world.rank() == 0) status = rc;
     });
