@@ -192,7 +192,7 @@ class Launch {
 
 namespace detail {
 
-// Removes argv[i] (and its value, when `with_value`) from the command line.
+// Removes the n arguments starting at argv[i] from the command line.
 inline void erase_args(int& argc, char** argv, int i, int n) {
   for (int j = i; j + n <= argc; ++j) argv[j] = argv[j + n];
   argc -= n;

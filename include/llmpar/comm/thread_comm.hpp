@@ -51,6 +51,7 @@
 #include <numeric>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -230,33 +231,11 @@ inline T store(acc_t<T> x) {
 // fit in cache anyway, and streaming saves the read-for-ownership of every line.
 inline constexpr std::size_t kStreamingBytes = 4u << 20;
 
-// Copies bytes; with `streaming`, through non-temporal stores where the CPU has them
-// (the caller fences before publishing, see stream_fence).
-inline void copy_out(void* dst, const void* src, std::size_t bytes, bool streaming) {
-#if defined(__AVX__)
-  if (streaming) {
-    auto* d = static_cast<std::byte*>(dst);
-    const auto* s = static_cast<const std::byte*>(src);
-    const std::size_t head = std::min(bytes, (32 - reinterpret_cast<std::uintptr_t>(d) % 32) % 32);
-    std::memcpy(d, s, head);
-    std::size_t i = head;
-    for (; i + 32 <= bytes; i += 32)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-    std::memcpy(d + i, s + i, bytes - i);
-    return;
-  }
-#endif
-  (void)streaming;
-  std::memcpy(dst, src, bytes);
-}
-
 inline void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif
 }
-
-inline constexpr int kMaxStreamedOutputs = 64;
 
 // For i in [begin, end): out[j][i] = op over ranks k = 0..n-1 of in[k][i], in that
 // order, for each of the n_out outputs. One pass: 64-byte blocks of every input are
@@ -268,8 +247,9 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
   using A = acc_t<T>;
   constexpr std::size_t kBlock = 64 / sizeof(T);
   const bool avg = op == ReduceOp::avg;
-  // Reduces [i, i + len) (len <= kBlock) into result.
-  auto reduce_block = [&](std::size_t i, std::size_t len, T* result) {
+  // Reduces [i, i + len) (len <= kBlock) into result. Whole blocks pass len as a
+  // compile-time constant, so their loops are unrolled and vectorised.
+  auto reduce_block = [&](std::size_t i, auto len, T* result) {
     A acc[kBlock];
     for (std::size_t j = 0; j < len; ++j) acc[j] = load(in[0][i + j]);
     for (int k = 1; k < n; ++k)
@@ -294,11 +274,12 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
   }
   // An output that is also an input (in place) was just read into the cache: plain
   // stores suit it better than non-temporal ones, which would evict those lines.
-  bool stream_to[kMaxStreamedOutputs] = {};
-  for (int o = 0; o < n_out && o < kMaxStreamedOutputs; ++o) {
-    stream_to[o] = streaming;
-    for (int k = 0; k < n; ++k) stream_to[o] = stream_to[o] && static_cast<const T*>(out[o]) != in[k];
-  }
+  auto stream_to = [&](const T* output) {
+    if (!streaming) return false;
+    for (int k = 0; k < n; ++k)
+      if (output == in[k]) return false;
+    return true;
+  };
   // Results gather in a 1 KiB run before they go out, so each output receives long
   // runs of whole lines: interleaving every output 64 bytes at a time defeats the
   // write-combining buffers once there are more than two outputs.
@@ -306,22 +287,10 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
   for (; i + kBlock <= end;) {
     alignas(kCacheLine) T result[kRun];
     const std::size_t run = std::min(kRun, (end - i) / kBlock * kBlock);
-    for (std::size_t b = 0; b < run; b += kBlock) {
-      A acc[kBlock];
-      for (std::size_t j = 0; j < kBlock; ++j) acc[j] = load(in[0][i + b + j]);
-      for (int k = 1; k < n; ++k) {
-        const T* src = in[k] + i + b;
-        for (std::size_t j = 0; j < kBlock; ++j) acc[j] = reduce(acc[j], load(src[j]));
-      }
-      if (avg) {
-        for (std::size_t j = 0; j < kBlock; ++j) result[b + j] = store<T>(finish(op, acc[j], n));
-      } else {
-        for (std::size_t j = 0; j < kBlock; ++j) result[b + j] = store<T>(acc[j]);
-      }
-    }
+    for (std::size_t b = 0; b < run; b += kBlock) reduce_block(i + b, std::integral_constant<std::size_t, kBlock>{}, result + b);
     for (int o = 0; o < n_out; ++o) {
 #if defined(__SSE2__)
-      if (o < kMaxStreamedOutputs && stream_to[o]) {
+      if (stream_to(out[o])) {
         auto* d = reinterpret_cast<__m128i*>(out[o] + i);
         const auto* r = reinterpret_cast<const __m128i*>(result);
         for (std::size_t q = 0; q < run * sizeof(T) / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(r + q));
