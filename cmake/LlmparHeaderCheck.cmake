@@ -26,6 +26,11 @@ list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/nccl_comm\\.hpp$")
 if(LLMPAR_NCCL)
   list(APPEND llmpar_cuda_headers llmpar/comm/nccl_comm.hpp)
 endif()
+# The kernel templates (kernels/*.cuh, included as llmpar/kernels/<name>.cuh) are nvcc's.
+file(GLOB llmpar_kernel_headers CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/kernels ${PROJECT_SOURCE_DIR}/kernels/*.cuh)
+list(SORT llmpar_kernel_headers)
+list(TRANSFORM llmpar_kernel_headers PREPEND "llmpar/kernels/")
+list(APPEND llmpar_cuda_headers ${llmpar_kernel_headers})
 
 set(header_check_dir ${CMAKE_CURRENT_BINARY_DIR}/header_check_sources)
 

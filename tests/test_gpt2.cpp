@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"

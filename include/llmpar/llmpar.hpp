@@ -1,7 +1,17 @@
 // llmpar/llmpar.hpp — the umbrella header: everything a trainer needs.
+//
+// A translation unit compiled by the C++ compiler gets backend::Cpu; one compiled by
+// nvcc gets backend::Cuda instead (backend/backend.hpp says why not both). A trainer
+// that offers both compiles its backend-neutral code twice, once in each, and links
+// them (examples/train_gpt does).
 #pragma once
 
-#include "llmpar/backend/cpu/gemm.hpp"
+#if defined(__CUDACC__)
+#include "llmpar/backend/cuda/backend.hpp"
+#else
+#include "llmpar/backend/cpu/backend.hpp"
+#endif
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/communicator.hpp"
 #include "llmpar/comm/grid.hpp"
 #include "llmpar/comm/init.hpp"

@@ -11,6 +11,10 @@
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
 #                 losses step by step (replicas average gradients); bad --ranks is named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
+#   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
+#                 to 1e-4 relative (fp32 on both; different kernels sum in different
+#                 orders). Exits 77 (skipped) after checking the no-device error where
+#                 there is no GPU.
 set -euo pipefail
 bin="$1" work="$2" case="$3"
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
@@ -81,6 +85,25 @@ case "$case" in
     if [[ "$case" == ranks ]]; then
       expect_error "--ranks 0 is not a positive whole number" "$bin/train_gpt" --ranks 0
     fi
+    ;;
+  cuda)
+    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle
+      --batch 8)
+    if ! out="$("$bin/train_gpt" --backend cuda "${common[@]}" --metrics gpu.jsonl 2>&1)"; then
+      echo "$out"
+      grep -qF "sees no CUDA device" <<<"$out" || fail "train_gpt --backend cuda failed for another reason than no GPU"
+      echo "SKIPPED: no CUDA device"
+      exit 77
+    fi
+    echo "$out" | tee gpu.txt
+    grep -q 'cuda backend' gpu.txt || fail "train_gpt --backend cuda did not say it trains on the cuda backend"
+    "$bin/train_gpt" "${common[@]}" --metrics cpu.jsonl | tee cpu.txt
+    losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
+    [[ $(losses gpu.jsonl | wc -l) == 5 ]] || fail "gpu.jsonl lacks 5 step losses"
+    paste <(losses cpu.jsonl) <(losses gpu.jsonl) | awk '{
+        d = $1 - $2; if (d < 0) d = -d
+        if (d > 1e-4 * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (cuda)"; bad = 1 }
+      } END { exit bad }' || fail "the CUDA backend did not reproduce the CPU backend's losses"
     ;;
   *) fail "unknown case '$case'" ;;
 esac

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <new>
 #include <ostream>
+#include <type_traits>
 #include <utility>
 
 #include "llmpar/config.hpp"
@@ -23,7 +24,8 @@
 namespace llmpar {
 
 namespace memory {
-// Host memory (pageable, 64-byte aligned). The CUDA backend adds memory::Device.
+// Host memory (pageable, 64-byte aligned). The CUDA backend adds memory::Device
+// (backend/cuda/memory.hpp) with the same static interface.
 struct Host {
   static void* allocate(std::size_t bytes) {
     const std::size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
@@ -32,6 +34,13 @@ struct Host {
     return p;
   }
   static void release(void* p) noexcept { std::free(p); }
+  // Synchronous fills and copies between this space and the host: what set-up code
+  // (initialisation, checkpoints, tests) needs. Work inside a step goes through the
+  // backend's context instead, on its stream.
+  static void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
+  static void copy_from_host(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+  static void copy_to_host(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+  static constexpr bool kHostAccessible = true;
 };
 }  // namespace memory
 
@@ -78,7 +87,12 @@ struct View {
   T& operator[](std::int64_t i) const { return data[i]; }
   T* begin() const { return data; }
   T* end() const { return data + numel(); }
-  operator View<const T>() const { return {data, shape}; }
+  // View<T> -> View<const T> (a template, so that View<const T> itself declares none).
+  template <class U = T>
+    requires(std::is_same_v<U, T> && !std::is_const_v<U>)
+  operator View<const U>() const {
+    return {data, shape};
+  }
 };
 
 // An owning, move-only, aligned array of T in memory space Space. Contents are
@@ -114,7 +128,7 @@ class Buffer {
     if (n > size_) resize(n);
   }
   void zero() {
-    if (size_ > 0) std::memset(static_cast<void*>(data_), 0, static_cast<std::size_t>(size_) * sizeof(T));
+    if (size_ > 0) Space::zero(static_cast<void*>(data_), bytes());
   }
   void reset() noexcept {
     if (data_ != nullptr) Space::release(data_);

@@ -11,6 +11,10 @@
 //    split over ranks starts from exactly these weights.
 //  - The element type is a template parameter: float trains; double exists so that the
 //    whole model's gradient is checked against finite differences in the tests.
+//  - The backend is a policy tag (backend/backend.hpp): the same source runs on the CPU
+//    (backend::Cpu, the default) and on a GPU (backend::Cuda), with every tensor in the
+//    backend's memory and every kernel the backend's. Inputs arrive on the host and are
+//    checked there before they are copied in.
 //  - The vocabulary is padded (50257 -> 50304) so the LM-head GEMM has aligned rows;
 //    padded logits never enter the loss and get zero gradient.
 #pragma once
@@ -22,13 +26,7 @@
 #include <string_view>
 #include <vector>
 
-#include "llmpar/backend/cpu/attention.hpp"
-#include "llmpar/backend/cpu/common.hpp"
-#include "llmpar/backend/cpu/cross_entropy.hpp"
-#include "llmpar/backend/cpu/elementwise.hpp"
-#include "llmpar/backend/cpu/embedding.hpp"
-#include "llmpar/backend/cpu/gelu.hpp"
-#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/nn/layernorm.hpp"
 #include "llmpar/nn/linear.hpp"
@@ -77,11 +75,11 @@ struct GPT2Config {
 
 namespace detail {
 // Gradients that live only while one block's backward runs; shared by all blocks.
-template <class T>
+template <class T, class Space>
 struct BlockScratch {
-  Buffer<T> wide0, wide1;  // (rows, 4C)
-  Buffer<T> qkv;           // (rows, 3C)
-  Buffer<T> c0, c1;        // (rows, C)
+  Buffer<T, Space> wide0, wide1;  // (rows, 4C)
+  Buffer<T, Space> qkv;           // (rows, 3C)
+  Buffer<T, Space> c0, c1;        // (rows, C)
   void reserve(std::int64_t rows, std::int64_t dim) {
     wide0.reserve(rows * 4 * dim);
     wide1.reserve(rows * 4 * dim);
@@ -93,10 +91,12 @@ struct BlockScratch {
 }  // namespace detail
 
 // One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class GPT2Block {
  public:
-  using Acc = backend::cpu::acc_t<T>;
+  using Acc = typename Backend::template Acc<T>;
+  using Context = typename Backend::Context;
+  using Space = typename Backend::Space;
 
   GPT2Block(const std::string& name, const GPT2Config& cfg)
       : dim_(cfg.dim),
@@ -111,37 +111,37 @@ class GPT2Block {
                  cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))) {}
 
   // out (B, S, C) = block(x (B, S, C)); keeps what backward needs.
-  void forward(backend::cpu::Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+  void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq, C = dim_;
     reserve(batch, seq);
-    ln1_.forward(ln1_out_.data(), x, rows);
+    ln1_.forward(ctx, ln1_out_.data(), x, rows);
     qkv_.forward(ctx, qkv_out_.data(), ln1_out_.data(), rows);
-    backend::cpu::attention_forward(att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, C, heads_);
+    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, C, heads_);
     proj_.forward(ctx, x_mid_.data(), att_out_.data(), rows);
-    backend::cpu::add_inplace(x_mid_.data(), x, rows * C);
-    ln2_.forward(ln2_out_.data(), x_mid_.data(), rows);
+    Backend::add_inplace(ctx, x_mid_.data(), x, rows * C);
+    ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), rows);
     fc_.forward(ctx, fc_out_.data(), ln2_out_.data(), rows);
-    backend::cpu::gelu_forward(gelu_out_.data(), fc_out_.data(), rows * 4 * C);
+    Backend::gelu_forward(ctx, gelu_out_.data(), fc_out_.data(), rows * 4 * C);
     fc_proj_.forward(ctx, out, gelu_out_.data(), rows);
-    backend::cpu::add_inplace(out, x_mid_.data(), rows * C);
+    Backend::add_inplace(ctx, out, x_mid_.data(), rows * C);
   }
 
   // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate.
-  void backward(backend::cpu::Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
-                detail::BlockScratch<T>& s) {
+  void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
+                detail::BlockScratch<T, Space>& s) {
     const std::int64_t rows = batch * seq, C = dim_;
     fc_proj_.backward(ctx, s.wide0.data(), dout, gelu_out_.data(), rows);
-    backend::cpu::gelu_backward(s.wide1.data(), fc_out_.data(), s.wide0.data(), rows * 4 * C);
+    Backend::gelu_backward(ctx, s.wide1.data(), fc_out_.data(), s.wide0.data(), rows * 4 * C);
     fc_.backward(ctx, s.c0.data(), s.wide1.data(), ln2_out_.data(), rows);
     T* dx_mid = s.c1.data();
-    ln2_.backward(dx_mid, s.c0.data(), x_mid_.data(), rows);
-    backend::cpu::add_inplace(dx_mid, dout, rows * C);  // the residual path
+    ln2_.backward(ctx, dx_mid, s.c0.data(), x_mid_.data(), rows);
+    Backend::add_inplace(ctx, dx_mid, dout, rows * C);  // the residual path
     proj_.backward(ctx, s.c0.data(), dx_mid, att_out_.data(), rows);
-    backend::cpu::attention_backward(s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
-                                     seq, C, heads_);
+    Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
+                                seq, C, heads_);
     qkv_.backward(ctx, s.c0.data(), s.qkv.data(), ln1_out_.data(), rows);
-    ln1_.backward(dx, s.c0.data(), x, rows);
-    backend::cpu::add_inplace(dx, dx_mid, rows * C);  // the residual path
+    ln1_.backward(ctx, dx, s.c0.data(), x, rows);
+    Backend::add_inplace(ctx, dx, dx_mid, rows * C);  // the residual path
   }
 
   template <class Visit>
@@ -173,25 +173,28 @@ class GPT2Block {
   }
 
   std::int64_t dim_, heads_;
-  nn::LayerNorm<T> ln1_;
-  nn::Linear<T> qkv_, proj_;
-  nn::LayerNorm<T> ln2_;
-  nn::Linear<T> fc_, fc_proj_;
+  nn::LayerNorm<T, Backend> ln1_;
+  nn::Linear<T, Backend> qkv_, proj_;
+  nn::LayerNorm<T, Backend> ln2_;
+  nn::Linear<T, Backend> fc_, fc_proj_;
   // Activations kept for backward.
-  Buffer<T> ln1_out_;   // (B, S, C)
-  Buffer<T> qkv_out_;   // (B, S, 3C)
-  Buffer<T> att_out_;   // (B, S, C)
-  Buffer<Acc> lse_;     // (B, NH, S)
-  Buffer<T> x_mid_;     // (B, S, C)  residual after attention
-  Buffer<T> ln2_out_;   // (B, S, C)
-  Buffer<T> fc_out_;    // (B, S, 4C)
-  Buffer<T> gelu_out_;  // (B, S, 4C)
+  Buffer<T, Space> ln1_out_;   // (B, S, C)
+  Buffer<T, Space> qkv_out_;   // (B, S, 3C)
+  Buffer<T, Space> att_out_;   // (B, S, C)
+  Buffer<Acc, Space> lse_;     // (B, NH, S)
+  Buffer<T, Space> x_mid_;     // (B, S, C)  residual after attention
+  Buffer<T, Space> ln2_out_;   // (B, S, C)
+  Buffer<T, Space> fc_out_;    // (B, S, 4C)
+  Buffer<T, Space> gelu_out_;  // (B, S, 4C)
 };
 
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class GPT2 {
  public:
-  using Acc = backend::cpu::acc_t<T>;
+  using Acc = typename Backend::template Acc<T>;
+  using Context = typename Backend::Context;
+  using Space = typename Backend::Space;
+  using BackendTag = Backend;
 
   GPT2(const GPT2Config& cfg, std::uint64_t seed) : cfg_(cfg), lnf_((cfg.validate(), "ln_f"), cfg.dim) {
     wte_ = nn::Parameter<T>("wte", {cfg.padded_vocab, cfg.dim}, nn::Init::normal(cfg.init_std), true);
@@ -202,25 +205,26 @@ class GPT2 {
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
     // keep them at zero so they cannot perturb anything.
-    for (std::int64_t i = cfg.vocab * cfg.dim; i < cfg.padded_vocab * cfg.dim; ++i) wte_.value[i] = T(0);
+    Space::zero(wte_.value + cfg.vocab * cfg.dim, static_cast<std::size_t>((cfg.padded_vocab - cfg.vocab) * cfg.dim) * sizeof(T));
   }
   GPT2(const GPT2&) = delete;
   GPT2& operator=(const GPT2&) = delete;
 
   // Training forward: returns the mean loss over B·S tokens and leaves ∂loss/∂logits
   // (times loss_scale, for gradient accumulation) ready for backward().
-  Acc forward(backend::cpu::Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
+  Acc forward(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
               std::int64_t seq, Acc loss_scale = Acc(1)) {
     compute_logits(ctx, tokens, batch, seq);
     const std::int64_t rows = batch * seq;
-    backend::cpu::cross_entropy_forward_backward(logits_.data(), losses_.data(), targets, rows, cfg_.vocab,
-                                                 cfg_.padded_vocab, loss_scale / static_cast<Acc>(rows));
+    copy_targets(ctx, targets, rows);
+    Backend::cross_entropy_forward_backward(ctx, logits_.data(), losses_.data(), targets_.data(), rows, cfg_.vocab,
+                                            cfg_.padded_vocab, loss_scale / static_cast<Acc>(rows));
     backward_ready_ = true;
-    return mean_loss(rows);
+    return mean_loss(ctx, rows);
   }
 
   // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
-  void backward(backend::cpu::Context& ctx) {
+  void backward(Context& ctx) {
     LLMPAR_CHECK(backward_ready_,
                  "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
     backward_ready_ = false;
@@ -230,30 +234,32 @@ class GPT2 {
     dres_[1].reserve(rows * C);
     // LM head, tied to wte: logits = lnf_out · wteᵀ.
     T* dlnf = scratch_.c0.data();
-    backend::cpu::gemm<T>(ctx, dlnf, logits_.data(), wte_.value, nullptr, rows, C, cfg_.padded_vocab, {});
-    backend::cpu::gemm<T>(ctx, wte_.grad, logits_.data(), lnf_out_.data(), nullptr, cfg_.padded_vocab, C, rows,
-                          {.trans_a = true, .trans_b = false, .accumulate = true});
-    lnf_.backward(dres_[0].data(), dlnf, residual(L), rows);
+    Backend::template gemm<T>(ctx, dlnf, logits_.data(), wte_.value, nullptr, rows, C, cfg_.padded_vocab, {});
+    Backend::template gemm<T>(ctx, wte_.grad, logits_.data(), lnf_out_.data(), nullptr, cfg_.padded_vocab, C, rows,
+                              {.trans_a = true, .trans_b = false, .accumulate = true});
+    lnf_.backward(ctx, dres_[0].data(), dlnf, residual(L), rows);
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq, scratch_);
     }
-    backend::cpu::encoder_backward(wte_.grad, wpe_.grad, dres_[L % 2].data(), tokens_.data(), batch, seq, C);
+    Backend::encoder_backward(ctx, wte_.grad, wpe_.grad, dres_[L % 2].data(), tokens_.data(), batch, seq, C);
   }
 
   // Mean loss without touching any gradient state.
-  Acc evaluate(backend::cpu::Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
+  Acc evaluate(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
                std::int64_t seq) {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
-    backend::cpu::cross_entropy_forward(losses_.data(), logits_.data(), targets, batch * seq, cfg_.vocab,
-                                        cfg_.padded_vocab);
-    return mean_loss(batch * seq);
+    copy_targets(ctx, targets, batch * seq);
+    Backend::cross_entropy_forward(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, cfg_.vocab,
+                                   cfg_.padded_vocab);
+    return mean_loss(ctx, batch * seq);
   }
 
-  // Logits (B, S, padded_vocab) of a batch; only the first `vocab` columns are meaningful.
-  const T* logits(backend::cpu::Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
+  // Logits (B, S, padded_vocab) of a batch, in the backend's memory; only the first
+  // `vocab` columns are meaningful.
+  const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
     return logits_.data();
@@ -269,7 +275,7 @@ class GPT2 {
     lnf_.parameters(visit);
   }
 
-  nn::ParameterStore<T>& parameter_store() { return store_; }
+  nn::ParameterStore<T, Space>& parameter_store() { return store_; }
   const GPT2Config& config() const { return cfg_; }
   std::int64_t num_parameters() const { return store_.numel(); }
 
@@ -285,7 +291,7 @@ class GPT2 {
  private:
   T* residual(std::int64_t l) { return residual_.data() + l * batch_ * seq_ * cfg_.dim; }
 
-  void compute_logits(backend::cpu::Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
+  void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
     LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
                  "]; the model was built for at most --seq ", cfg_.max_seq);
@@ -296,41 +302,56 @@ class GPT2 {
       LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
                    " is outside the vocabulary [0, ", cfg_.vocab, ")");
     tokens_.reserve(rows);
-    std::copy(tokens, tokens + rows, tokens_.data());
+    Backend::upload(ctx, tokens_.data(), tokens, rows);
     residual_.reserve((L + 1) * rows * C);
     lnf_out_.reserve(rows * C);
     logits_.reserve(rows * cfg_.padded_vocab);
     losses_.reserve(rows);
-    backend::cpu::encoder_forward(residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
+    Backend::encoder_forward(ctx, residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
     for (std::int64_t l = 0; l < L; ++l)
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-    lnf_.forward(lnf_out_.data(), residual(L), rows);
-    backend::cpu::gemm<T>(ctx, logits_.data(), lnf_out_.data(), wte_.value, nullptr, rows, cfg_.padded_vocab, C,
-                          {.trans_a = false, .trans_b = true, .accumulate = false});
+    lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
+    Backend::template gemm<T>(ctx, logits_.data(), lnf_out_.data(), wte_.value, nullptr, rows, cfg_.padded_vocab, C,
+                              {.trans_a = false, .trans_b = true, .accumulate = false});
   }
 
-  Acc mean_loss(std::int64_t rows) const {
+  // Targets are checked on the host, then copied into the backend's memory.
+  void copy_targets(Context& ctx, const std::int32_t* targets, std::int64_t rows) {
+    for (std::int64_t i = 0; i < rows; ++i)
+      LLMPAR_CHECK(targets[i] >= 0 && targets[i] < cfg_.vocab, "target id ", targets[i], " at position ", i,
+                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
+    targets_.reserve(rows);
+    Backend::upload(ctx, targets_.data(), targets, rows);
+  }
+
+  // The mean of the per-token losses, summed on the host in position order (the same
+  // order on every backend).
+  Acc mean_loss(Context& ctx, std::int64_t rows) {
+    host_losses_.reserve(rows);
+    Backend::download(ctx, host_losses_.data(), losses_.data(), rows);
     Acc sum = 0;
-    for (std::int64_t i = 0; i < rows; ++i) sum += losses_[i];
+    for (std::int64_t i = 0; i < rows; ++i) sum += host_losses_[i];
     return sum / static_cast<Acc>(rows);
   }
 
   GPT2Config cfg_;
   nn::Parameter<T> wte_;  // (Vp, C), also the LM head
   nn::Parameter<T> wpe_;  // (max_seq, C)
-  std::vector<GPT2Block<T>> blocks_;
-  nn::LayerNorm<T> lnf_;
-  nn::ParameterStore<T> store_;
+  std::vector<GPT2Block<T, Backend>> blocks_;
+  nn::LayerNorm<T, Backend> lnf_;
+  nn::ParameterStore<T, Space> store_;
 
   std::int64_t batch_ = 0, seq_ = 0;
   bool backward_ready_ = false;
-  Buffer<std::int32_t> tokens_;  // (B, S)
-  Buffer<T> residual_;           // (L+1, B, S, C): the input of every block, and the last output
-  Buffer<T> lnf_out_;            // (B, S, C)
-  Buffer<T> logits_;             // (B, S, Vp); holds ∂loss/∂logits after a training forward
-  Buffer<Acc> losses_;           // (B, S)
-  Buffer<T> dres_[2];            // (B, S, C) ping-pong residual gradients
-  detail::BlockScratch<T> scratch_;
+  Buffer<std::int32_t, Space> tokens_;   // (B, S)
+  Buffer<std::int32_t, Space> targets_;  // (B, S)
+  Buffer<T, Space> residual_;            // (L+1, B, S, C): the input of every block, and the last output
+  Buffer<T, Space> lnf_out_;             // (B, S, C)
+  Buffer<T, Space> logits_;              // (B, S, Vp); holds ∂loss/∂logits after a training forward
+  Buffer<Acc, Space> losses_;            // (B, S)
+  Buffer<Acc> host_losses_;              // (B, S) on the host
+  Buffer<T, Space> dres_[2];             // (B, S, C) ping-pong residual gradients
+  detail::BlockScratch<T, Space> scratch_;
 };
 
 }  // namespace llmpar::models

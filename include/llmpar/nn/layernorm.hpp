@@ -7,16 +7,15 @@
 #include <cstdint>
 #include <string>
 
-#include "llmpar/backend/cpu/common.hpp"
-#include "llmpar/backend/cpu/layernorm.hpp"
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/nn/parameter.hpp"
 
 namespace llmpar::nn {
 
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class LayerNorm {
  public:
-  using Acc = backend::cpu::acc_t<T>;
+  using Acc = typename Backend::template Acc<T>;
 
   LayerNorm(const std::string& name, std::int64_t channels, float eps = 1e-5f)
       : channels_(channels),
@@ -25,16 +24,16 @@ class LayerNorm {
         bias_(name + ".bias", {channels}, Init::zeros(), false) {}
 
   // out (rows, C) = (x - mean) * rstd * w + b; keeps mean and rstd for backward.
-  void forward(T* out, const T* x, std::int64_t rows) {
+  void forward(typename Backend::Context& ctx, T* out, const T* x, std::int64_t rows) {
     mean_.reserve(rows);
     rstd_.reserve(rows);
-    backend::cpu::layernorm_forward(out, mean_.data(), rstd_.data(), x, weight_.value, bias_.value, rows, channels_,
+    Backend::layernorm_forward(ctx, out, mean_.data(), rstd_.data(), x, weight_.value, bias_.value, rows, channels_,
                                     eps_);
   }
 
   // dx (rows, C) overwritten; dw, db accumulated. x is the input given to forward.
-  void backward(T* dx, const T* dout, const T* x, std::int64_t rows) {
-    backend::cpu::layernorm_backward(dx, weight_.grad, bias_.grad, dout, x, weight_.value, mean_.data(), rstd_.data(),
+  void backward(typename Backend::Context& ctx, T* dx, const T* dout, const T* x, std::int64_t rows) {
+    Backend::layernorm_backward(ctx, dx, weight_.grad, bias_.grad, dout, x, weight_.value, mean_.data(), rstd_.data(),
                                      rows, channels_);
   }
 
@@ -51,8 +50,8 @@ class LayerNorm {
   float eps_;
   Parameter<T> weight_;
   Parameter<T> bias_;
-  Buffer<Acc> mean_;  // (rows)
-  Buffer<Acc> rstd_;  // (rows)
+  Buffer<Acc, typename Backend::Space> mean_;  // (rows)
+  Buffer<Acc, typename Backend::Space> rstd_;  // (rows)
 };
 
 }  // namespace llmpar::nn

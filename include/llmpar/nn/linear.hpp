@@ -5,19 +5,19 @@
 // gradient dW += dYᵀ·X one GEMM that accumulates in place (gradient accumulation over
 // micro-batches needs no extra buffer). The layer keeps no activations: whoever owns
 // x passes it again to backward — the block that owns its activations decides whether
-// they are kept or recomputed.
+// they are kept or recomputed. Backend is the policy tag (backend/backend.hpp) whose
+// GEMM and bias-gradient kernels run it.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "llmpar/backend/cpu/bias.hpp"
-#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/nn/parameter.hpp"
 
 namespace llmpar::nn {
 
-template <class T>
+template <class T, class Backend = backend::Cpu>
 class Linear {
  public:
   Linear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias, float init_std)
@@ -31,17 +31,17 @@ class Linear {
   }
 
   // y (rows, out) = x (rows, in) · Wᵀ + b
-  void forward(backend::cpu::Context& ctx, T* y, const T* x, std::int64_t rows) const {
-    backend::cpu::gemm<T>(ctx, y, x, weight_.value, has_bias_ ? bias_.value : nullptr, rows, out_, in_,
-                          {.trans_a = false, .trans_b = true, .accumulate = false});
+  void forward(typename Backend::Context& ctx, T* y, const T* x, std::int64_t rows) const {
+    Backend::template gemm<T>(ctx, y, x, weight_.value, has_bias_ ? bias_.value : nullptr, rows, out_, in_,
+                              {.trans_a = false, .trans_b = true, .accumulate = false});
   }
 
   // dx (rows, in) = dy · W (skipped when dx is null); dW (out, in) += dyᵀ · x; db += Σ dy.
-  void backward(backend::cpu::Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
-    if (dx != nullptr) backend::cpu::gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});
-    backend::cpu::gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
-                          {.trans_a = true, .trans_b = false, .accumulate = true});
-    if (has_bias_) backend::cpu::bias_backward(bias_.grad, dy, rows, out_);
+  void backward(typename Backend::Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
+    if (dx != nullptr) Backend::template gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});
+    Backend::template gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
+                              {.trans_a = true, .trans_b = false, .accumulate = true});
+    if (has_bias_) Backend::bias_backward(ctx, bias_.grad, dy, rows, out_);
   }
 
   template <class Visit>

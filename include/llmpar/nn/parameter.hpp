@@ -57,12 +57,20 @@ struct Parameter {
 
 // A type whose parameters can be visited: `l.parameters(visit)` calls visit(Parameter&)
 // once per parameter, in a fixed order.
-template <class L, class T = float>
-concept HasParameters = requires(L& layer) {
-  layer.parameters([](Parameter<T>&) {});
-};
-
+namespace detail {
+// A visitor that does nothing (a named type: nvcc's front end rejects a lambda here).
 template <class T>
+struct IgnoreParameter {
+  void operator()(Parameter<T>&) const {}
+};
+}  // namespace detail
+
+template <class L, class T = float>
+concept HasParameters = requires(L& layer, detail::IgnoreParameter<T> visit) { layer.parameters(visit); };
+
+// Space is where the flat buffers live: memory::Host for the CPU backend,
+// memory::Device for the CUDA one (initial values are computed on the host and copied).
+template <class T, class Space = memory::Host>
 class ParameterStore {
  public:
   ParameterStore() = default;
@@ -100,18 +108,28 @@ class ParameterStore {
     for (Parameter<T>* p : params_) initialize(*p, seed);
   }
   static void initialize(Parameter<T>& p, std::uint64_t seed) {
+    if constexpr (Space::kHostAccessible) {
+      initial_values(p, seed, p.value);
+    } else {
+      Buffer<T> staging(p.numel());
+      initial_values(p, seed, staging.data());
+      Space::copy_from_host(p.value, staging.data(), staging.bytes());
+    }
+  }
+  // out (numel) = the initial values of p under seed, on the host.
+  static void initial_values(const Parameter<T>& p, std::uint64_t seed, T* out) {
     const std::int64_t n = p.numel();
     switch (p.init.kind) {
       case Init::Kind::zeros:
-        for (std::int64_t i = 0; i < n; ++i) p.value[i] = T(0);
+        for (std::int64_t i = 0; i < n; ++i) out[i] = T(0);
         break;
       case Init::Kind::ones:
-        for (std::int64_t i = 0; i < n; ++i) p.value[i] = T(1);
+        for (std::int64_t i = 0; i < n; ++i) out[i] = T(1);
         break;
       case Init::Kind::normal: {
         const rng::Stream stream = rng::Stream::named(seed, p.name);
 #pragma omp parallel for schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) p.value[i] = static_cast<T>(p.init.std * stream.normal(i));
+        for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(p.init.std * stream.normal(i));
         break;
       }
     }
@@ -147,8 +165,8 @@ class ParameterStore {
   }
 
   std::vector<Parameter<T>*> params_;
-  Buffer<T> values_;
-  Buffer<T> grads_;
+  Buffer<T, Space> values_;
+  Buffer<T, Space> grads_;
 };
 
 }  // namespace llmpar::nn

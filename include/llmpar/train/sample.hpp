@@ -2,16 +2,16 @@
 //
 // Each new token re-runs the forward over the last max_seq tokens (no KV cache): simple
 // and exact, and cheap for the models a CPU samples from. Draws come from the
-// counter-based RNG, so a (seed, prompt) pair always gives the same text.
+// counter-based RNG, so a (seed, prompt) pair always gives the same text. The last
+// position's logits are copied to the host (from the device on the CUDA backend) and
+// the draw happens there, so both backends sample alike.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/backend/cpu/cross_entropy.hpp"
-#include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
 #include "llmpar/core/tensor.hpp"
@@ -26,19 +26,22 @@ struct SampleConfig {
 
 // Returns prompt followed by cfg.tokens sampled tokens.
 template <class Model>
-std::vector<std::int32_t> sample(backend::cpu::Context& ctx, Model& model, std::vector<std::int32_t> prompt,
+std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std::vector<std::int32_t> prompt,
                                  const SampleConfig& cfg) {
   LLMPAR_CHECK(!prompt.empty(), "sampling needs a prompt of at least one token");
   LLMPAR_CHECK(cfg.temperature > 0.0f, "temperature is ", cfg.temperature, "; it must be positive");
   const auto& mc = model.config();
-  using Acc = backend::cpu::acc_t<float>;
+  using Backend = typename Model::BackendTag;
+  using Acc = float;
   Buffer<Acc> probs(mc.vocab);
+  Buffer<float> row(mc.padded_vocab);
   const rng::Stream stream = rng::Stream::named(cfg.seed, "sample");
   for (std::int64_t i = 0; i < cfg.tokens; ++i) {
     const std::int64_t len = std::min<std::int64_t>(static_cast<std::int64_t>(prompt.size()), mc.max_seq);
     const std::int32_t* window = prompt.data() + prompt.size() - len;
     const float* logits = model.logits(ctx, window, 1, len) + (len - 1) * mc.padded_vocab;
-    backend::cpu::softmax_forward(probs.data(), logits, mc.vocab, static_cast<Acc>(cfg.temperature));
+    Backend::download(ctx, row.data(), logits, mc.padded_vocab);
+    backend::cpu::softmax_forward(probs.data(), row.data(), mc.vocab, static_cast<Acc>(cfg.temperature));
     const double u = stream.uniform(static_cast<std::uint64_t>(i));
     double cdf = 0.0;
     std::int32_t next = static_cast<std::int32_t>(mc.vocab - 1);

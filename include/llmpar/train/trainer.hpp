@@ -11,6 +11,10 @@
 // and losses over it before the optimizer step, so N ranks with batch B compute the
 // run one rank computes with batch N*B. This is plain replication — every rank keeps
 // the whole optimizer state; sharding it is what the data-parallel strategies add.
+//
+// Backends: the model names its backend tag (Model::BackendTag); the trainer takes that
+// backend's context and builds that backend's optimizer. On the CUDA backend the
+// gradients live on the device, so the replicas' communicator must be NCCL.
 #pragma once
 
 #include <chrono>
@@ -20,7 +24,7 @@
 #include <functional>
 #include <span>
 
-#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
@@ -45,19 +49,27 @@ struct TrainerConfig {
 template <class Model>
 class Trainer {
  public:
+  using Backend = typename Model::BackendTag;
+  using Context = typename Backend::Context;
+  using Optimizer = typename Backend::template Optimizer<float>;
+
   // `replicas`: the ranks holding copies of this model (nullptr: this rank alone).
-  Trainer(backend::cpu::Context& ctx, Model& model, const optim::AdamWConfig& opt,
-          const optim::CosineSchedule& schedule, data::DataLoader& train, const TrainerConfig& cfg,
-          comm::Comm* replicas = nullptr)
+  Trainer(Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
+          data::DataLoader& train, const TrainerConfig& cfg, comm::Comm* replicas = nullptr)
       : ctx_(ctx),
         model_(model),
-        optimizer_(model.parameter_store(), opt),
+        optimizer_(Backend::make_optimizer(ctx, model.parameter_store(), opt)),
         schedule_(schedule),
         train_(train),
         cfg_(cfg),
         replicas_(replicas && replicas->size() > 1 ? replicas : nullptr) {
     cfg.validate();
     schedule.validate();
+    if (replicas_ && !Backend::Space::kHostAccessible) {
+      LLMPAR_CHECK(replicas_->engine_name() == std::string_view("nccl"), "the ", Backend::kName,
+                   " backend keeps gradients in device memory, which the ", replicas_->engine_name(),
+                   " communicator cannot read; launch the ranks with mpirun on a build with NCCL");
+    }
     if (replicas_) {
       LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
                    "the training loader reads as rank ", train.config().rank, " of ", train.config().world,
@@ -126,7 +138,7 @@ class Trainer {
   }
 
   std::int64_t steps_done() const { return step_; }
-  optim::AdamW<float>& optimizer() { return optimizer_; }
+  Optimizer& optimizer() { return optimizer_; }
 
  private:
   // The mean of a per-rank value over the replicas (in float, like the losses).
@@ -136,9 +148,9 @@ class Trainer {
     return x[0];
   }
 
-  backend::cpu::Context& ctx_;
+  Context& ctx_;
   Model& model_;
-  optim::AdamW<float> optimizer_;
+  Optimizer optimizer_;
   optim::CosineSchedule schedule_;
   data::DataLoader& train_;
   TrainerConfig cfg_;

@@ -180,10 +180,46 @@ class DeviceBuffer {
   cudaStream_t stream_ = nullptr;
 };
 
-// One rank's device, its streams and its memory pool.
+}  // namespace llmpar::backend::cuda
+
+namespace llmpar::memory {
+// Device memory of the current CUDA device, for llmpar::Buffer<T, memory::Device>: the
+// long-lived buffers of a model (parameters, gradients, activations). cudaMalloc'd
+// (256-byte aligned); the synchronous fills and copies serve set-up code, while a
+// step's transfers go through the backend context's stream.
+struct Device {
+  static void* allocate(std::size_t bytes) {
+    void* p = nullptr;
+    LLMPAR_CHECK_CUDA(cudaMalloc(&p, bytes == 0 ? 256 : bytes), "allocating ", bytes,
+                      " bytes of device memory; lower the batch size, the sequence length or the model size");
+    return p;
+  }
+  static void release(void* p) noexcept { backend::cuda::detail::report(cudaFree(p), "cudaFree"); }
+  // Waits for all of the device's streams first: set-up code only.
+  static void zero(void* p, std::size_t bytes) {
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
+    LLMPAR_CHECK_CUDA(cudaMemset(p, 0, bytes));
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  static void copy_from_host(void* dst, const void* src, std::size_t bytes) {
+    LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  }
+  static void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+    LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  }
+  static constexpr bool kHostAccessible = false;
+};
+}  // namespace llmpar::memory
+
+namespace llmpar::backend::cuda {
+
+// One rank's device, its streams and its memory pool. The communication stream is its
+// own high-priority stream, or one owned elsewhere that it adopts: NcclComm's, so that
+// collectives and the copies that feed them share one stream.
 class DeviceContext {
  public:
-  explicit DeviceContext(int device) : device_(device) {
+  explicit DeviceContext(int device, cudaStream_t adopt_communication = nullptr)
+      : device_(device), adopted_communication_(adopt_communication) {
     const int count = device_count();
     LLMPAR_CHECK(count > 0, "CUDA device ", device, " was asked for, but this process sees no CUDA device; "
                             "check the driver and CUDA_VISIBLE_DEVICES, or train on the CPU backend");
@@ -197,12 +233,14 @@ class DeviceContext {
     std::uint64_t keep_everything = std::numeric_limits<std::uint64_t>::max();
     LLMPAR_CHECK_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep_everything));
     compute_ = Stream(Stream::Priority::normal);
-    communication_ = Stream(Stream::Priority::high);
+    if (adopted_communication_ == nullptr) communication_ = Stream(Stream::Priority::high);
   }
 
   int device() const { return device_; }
   cudaStream_t compute() const { return compute_.get(); }
-  cudaStream_t communication() const { return communication_.get(); }
+  cudaStream_t communication() const {
+    return adopted_communication_ != nullptr ? adopted_communication_ : communication_.get();
+  }
   cudaMemPool_t pool() const { return pool_; }
 
   // Bytes the pool holds from the driver, and bytes in use by live allocations.
@@ -222,6 +260,7 @@ class DeviceContext {
   }
 
   int device_;
+  cudaStream_t adopted_communication_;
   cudaMemPool_t pool_ = nullptr;
   Stream compute_;
   Stream communication_;

@@ -1,0 +1,117 @@
+// llmpar/backend/cpu/backend.hpp — backend::Cpu: host memory, OpenMP kernels, oneDNN GEMMs.
+//
+// The tag's static operations are the CPU kernels of backend/cpu/ under the names and
+// argument orders every model uses; backend::Cuda (backend/cuda/backend.hpp) has the
+// same list with the same arguments. The context carries the oneDNN primitive cache.
+// Transfers (upload/download/zero) are plain memory operations here.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "llmpar/backend/backend.hpp"
+#include "llmpar/backend/cpu/attention.hpp"
+#include "llmpar/backend/cpu/bias.hpp"
+#include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/backend/cpu/cross_entropy.hpp"
+#include "llmpar/backend/cpu/elementwise.hpp"
+#include "llmpar/backend/cpu/embedding.hpp"
+#include "llmpar/backend/cpu/gelu.hpp"
+#include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/cpu/layernorm.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/optim/adamw.hpp"
+
+namespace llmpar::backend {
+
+struct Cpu {
+  static constexpr const char* kName = "cpu";
+  using Context = cpu::Context;
+  using Space = memory::Host;
+  using GemmOp = cpu::GemmOp;
+  template <class T>
+  using Acc = cpu::acc_t<T>;
+  template <class T>
+  using Optimizer = optim::AdamW<T>;
+  template <class T>
+  static Optimizer<T> make_optimizer(Context&, nn::ParameterStore<T>& store, const optim::AdamWConfig& cfg) {
+    return Optimizer<T>(store, cfg);
+  }
+
+  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]
+  template <class T>
+  static void gemm(Context& ctx, T* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
+                   std::int64_t k, GemmOp op) {
+    cpu::gemm<T>(ctx, c, a, b, bias, m, n, k, op);
+  }
+  template <class T>
+  static void layernorm_forward(Context&, T* out, Acc<T>* mean, Acc<T>* rstd, const T* x, const T* weight,
+                                const T* bias, std::int64_t rows, std::int64_t C, float eps) {
+    cpu::layernorm_forward(out, mean, rstd, x, weight, bias, rows, C, eps);
+  }
+  template <class T>
+  static void layernorm_backward(Context&, T* dx, T* dweight, T* dbias, const T* dout, const T* x, const T* weight,
+                                 const Acc<T>* mean, const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
+    cpu::layernorm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, C);
+  }
+  template <class T>
+  static void attention_forward(Context&, T* out, Acc<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
+                                std::int64_t C, std::int64_t NH) {
+    cpu::attention_forward(out, lse, qkv, B, T_len, C, NH);
+  }
+  template <class T>
+  static void attention_backward(Context&, T* dqkv, const T* dout, const T* qkv, const T* out, const Acc<T>* lse,
+                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+  }
+  template <class T>
+  static void gelu_forward(Context&, T* out, const T* x, std::int64_t n) {
+    cpu::gelu_forward(out, x, n);
+  }
+  template <class T>
+  static void gelu_backward(Context&, T* dx, const T* x, const T* dout, std::int64_t n) {
+    cpu::gelu_backward(dx, x, dout, n);
+  }
+  template <class T>
+  static void add_inplace(Context&, T* a, const T* b, std::int64_t n) {
+    cpu::add_inplace(a, b, n);
+  }
+  template <class T>
+  static void bias_backward(Context&, T* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
+    cpu::bias_backward(dbias, dout, rows, n);
+  }
+  template <class T>
+  static void encoder_forward(Context&, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
+                              std::int64_t B, std::int64_t T_len, std::int64_t C) {
+    cpu::encoder_forward(out, tokens, wte, wpe, B, T_len, C);
+  }
+  template <class T>
+  static void encoder_backward(Context&, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens, std::int64_t B,
+                               std::int64_t T_len, std::int64_t C) {
+    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T_len, C);
+  }
+  // Targets are checked here (on the host) before any row is touched.
+  template <class T>
+  static void cross_entropy_forward_backward(Context&, T* logits, Acc<T>* losses, const std::int32_t* targets,
+                                             std::int64_t rows, std::int64_t V, std::int64_t Vp, Acc<T> dloss) {
+    cpu::cross_entropy_forward_backward(logits, losses, targets, rows, V, Vp, dloss);
+  }
+  template <class T>
+  static void cross_entropy_forward(Context&, Acc<T>* losses, const T* logits, const std::int32_t* targets,
+                                    std::int64_t rows, std::int64_t V, std::int64_t Vp) {
+    cpu::cross_entropy_forward(losses, logits, targets, rows, V, Vp);
+  }
+
+  // Transfers between host memory and this backend's memory.
+  template <class T>
+  static void upload(Context&, T* dst, const T* host, std::int64_t n) {
+    if (n > 0) std::memcpy(static_cast<void*>(dst), host, static_cast<std::size_t>(n) * sizeof(T));
+  }
+  template <class T>
+  static void download(Context&, T* host, const T* src, std::int64_t n) {
+    if (n > 0) std::memcpy(static_cast<void*>(host), src, static_cast<std::size_t>(n) * sizeof(T));
+  }
+  static void synchronize(Context&) {}
+};
+
+}  // namespace llmpar::backend

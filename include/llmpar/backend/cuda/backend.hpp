@@ -1,0 +1,238 @@
+// llmpar/backend/cuda/backend.hpp — backend::Cuda: device memory, llmpar's CUDA kernels,
+// cuBLASLt GEMMs. Include it from a translation unit that nvcc compiles.
+//
+// The tag's static operations are those of backend::Cpu (backend/cpu/backend.hpp),
+// same names, same arguments, run by the kernel templates in kernels/ and by cuBLASLt
+// (backend/cuda/gemm.hpp), all queued on the context's compute stream. Nothing here
+// synchronises except download(), which hands host memory back to the caller.
+//
+// cuda::Context is one rank's GPU: its DeviceContext (device, compute and communication
+// streams, memory pool), its cuBLASLt handle and plan cache, and one scratch buffer
+// that kernels needing a workspace borrow in turn. Every borrower runs on the compute
+// stream, so stream order keeps them apart and one buffer, grown to the largest
+// request, serves the whole step.
+//
+// cuda::AdamW is the optimizer the trainer builds for this backend: llmpar's
+// multi-tensor AdamW (kernels/adamw.cuh) over the model's flat parameter store, with the
+// gradient norm and the clipping factor computed on the device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "llmpar/backend/backend.hpp"
+#include "llmpar/backend/cuda/check.hpp"
+#include "llmpar/backend/cuda/gemm.hpp"
+#include "llmpar/backend/cuda/memory.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/kernels/adamw.cuh"
+#include "llmpar/kernels/attention.cuh"
+#include "llmpar/kernels/cross_entropy.cuh"
+#include "llmpar/kernels/elementwise.cuh"
+#include "llmpar/kernels/layernorm.cuh"
+#include "llmpar/math/adamw.hpp"
+#include "llmpar/nn/parameter.hpp"
+#include "llmpar/optim/adamw.hpp"
+
+namespace llmpar::backend::cuda {
+
+class Context {
+ public:
+  // adopt_communication: a communication stream owned elsewhere (NcclComm::stream()).
+  explicit Context(int device = 0, Fp32Math fp32 = Fp32Math::strict, cudaStream_t adopt_communication = nullptr)
+      : device_(device, adopt_communication), blas_(fp32) {}
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  cudaStream_t stream() const { return device_.compute(); }
+  DeviceContext& device() { return device_; }
+  Blas& blas() { return blas_; }
+
+  // At least `bytes` of device scratch, valid for work queued on stream() until the
+  // next call.
+  void* scratch(std::size_t bytes) {
+    if (bytes > scratch_.size()) scratch_ = DeviceBuffer<std::byte>(bytes + bytes / 4, stream());
+    return scratch_.data();
+  }
+  float* scratch_floats(std::int64_t count) {
+    return static_cast<float*>(scratch(static_cast<std::size_t>(count) * sizeof(float)));
+  }
+
+  void synchronize() { LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream())); }
+
+ private:
+  DeviceContext device_;  // first: it selects the device the others are created on
+  Blas blas_;
+  DeviceBuffer<std::byte> scratch_;
+};
+
+// AdamW over a ParameterStore in device memory: the same update as optim::AdamW (same
+// clipping rule, same per-parameter weight decay), in two launches per step.
+template <class T>
+class AdamW {
+ public:
+  using Store = nn::ParameterStore<T, memory::Device>;
+
+  AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg)
+      : ctx_(ctx), cfg_(cfg), m_(store.flat_size()), v_(store.flat_size()), norm_sq_(1), found_inf_(1) {
+    cfg.validate();
+    m_.zero();
+    v_.zero();
+    found_inf_.zero();
+    std::vector<kernels::AdamWTensor<T, T>> tensors;
+    const T* base = store.values();
+    for (nn::Parameter<T>* p : store.parameters()) {
+      const std::int64_t offset = p->value - base;
+      tensors.push_back({.master = p->value,
+                         .param = nullptr,
+                         .grad = p->grad,
+                         .m = m_.data() + offset,
+                         .v = v_.data() + offset,
+                         .n = p->numel(),
+                         .decay = p->decay});
+    }
+    plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<T, T>>(tensors));
+  }
+
+  // One update at learning rate lr; returns the gradient norm before clipping.
+  double step(float lr) {
+    ++step_;
+    const cudaStream_t stream = ctx_.stream();
+    plan_->grad_norm_squared(stream, norm_sq_.data(), ctx_.scratch_floats(plan_->workspace_floats()));
+    const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), stream));
+    plan_->step(stream, hp, step_, norm_sq_.data(), 1.0f, cfg_.grad_clip, found_inf_.data());
+    float norm_sq = 0.0f;
+    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(&norm_sq, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream));
+    ctx_.synchronize();
+    return std::sqrt(static_cast<double>(norm_sq));
+  }
+
+  int steps_taken() const { return step_; }
+  const optim::AdamWConfig& config() const { return cfg_; }
+
+ private:
+  Context& ctx_;
+  optim::AdamWConfig cfg_;
+  Buffer<float, memory::Device> m_, v_;
+  Buffer<float, memory::Device> norm_sq_;
+  Buffer<int, memory::Device> found_inf_;
+  std::optional<kernels::AdamWPlan<T, T>> plan_;
+  int step_ = 0;
+};
+
+}  // namespace llmpar::backend::cuda
+
+namespace llmpar::backend {
+
+struct Cuda {
+  static constexpr const char* kName = "cuda";
+  using Context = cuda::Context;
+  using Space = memory::Device;
+  using GemmOp = cuda::GemmOp;
+  template <class T>
+  using Acc = float;
+  template <class T>
+  using Optimizer = cuda::AdamW<T>;
+  template <class T>
+  static Optimizer<T> make_optimizer(Context& ctx, nn::ParameterStore<T, Space>& store,
+                                     const optim::AdamWConfig& cfg) {
+    return Optimizer<T>(ctx, store, cfg);
+  }
+
+  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; a bias becomes cuBLASLt's bias epilogue.
+  template <class T>
+  static void gemm(Context& ctx, T* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
+                   std::int64_t k, GemmOp op) {
+    if (bias != nullptr && op.epilogue == cuda::Epilogue::none) op.epilogue = cuda::Epilogue::bias;
+    ctx.blas().gemm<T>(ctx.stream(), c, a, b, bias, nullptr, m, n, k, op);
+  }
+  template <class T>
+  static void layernorm_forward(Context& ctx, T* out, float* mean, float* rstd, const T* x, const T* weight,
+                                const T* bias, std::int64_t rows, std::int64_t C, float eps) {
+    kernels::layernorm_forward(ctx.stream(), out, mean, rstd, x, weight, bias, rows, C, eps);
+  }
+  template <class T>
+  static void layernorm_backward(Context& ctx, T* dx, T* dweight, T* dbias, const T* dout, const T* x,
+                                 const T* weight, const float* mean, const float* rstd, std::int64_t rows,
+                                 std::int64_t C) {
+    float* workspace = ctx.scratch_floats(kernels::layernorm_backward_workspace(rows, C));
+    kernels::layernorm_backward(ctx.stream(), dx, dweight, dbias, dout, x, weight, mean, rstd, workspace, rows, C);
+  }
+  template <class T>
+  static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
+                                std::int64_t C, std::int64_t NH) {
+    kernels::attention_forward(ctx.stream(), out, lse, qkv, B, T_len, C, NH);
+  }
+  template <class T>
+  static void attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
+                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+    float* workspace = ctx.scratch_floats(kernels::attention_backward_workspace(B, T_len, C, NH));
+    kernels::attention_backward(ctx.stream(), dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
+  }
+  template <class T>
+  static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n) {
+    kernels::gelu_forward(ctx.stream(), out, x, n);
+  }
+  template <class T>
+  static void gelu_backward(Context& ctx, T* dx, const T* x, const T* dout, std::int64_t n) {
+    kernels::gelu_backward(ctx.stream(), dx, x, dout, n);
+  }
+  template <class T>
+  static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n) {
+    kernels::add_inplace(ctx.stream(), a, b, n);
+  }
+  template <class T>
+  static void bias_backward(Context& ctx, T* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
+    float* workspace = ctx.scratch_floats(kernels::bias_backward_workspace(rows, n));
+    kernels::bias_backward(ctx.stream(), dbias, dout, workspace, rows, n);
+  }
+  template <class T>
+  static void encoder_forward(Context& ctx, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
+                              std::int64_t B, std::int64_t T_len, std::int64_t C) {
+    kernels::encoder_forward(ctx.stream(), out, tokens, wte, wpe, B, T_len, C);
+  }
+  template <class T>
+  static void encoder_backward(Context& ctx, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens,
+                               std::int64_t B, std::int64_t T_len, std::int64_t C) {
+    void* workspace = ctx.scratch(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(B, T_len)));
+    kernels::encoder_backward(ctx.stream(), dwte, dwpe, dout, tokens, workspace, B, T_len, C);
+  }
+  template <class T>
+  static void cross_entropy_forward_backward(Context& ctx, T* logits, float* losses, const std::int32_t* targets,
+                                             std::int64_t rows, std::int64_t V, std::int64_t Vp, float dloss) {
+    kernels::cross_entropy_forward_backward(ctx.stream(), logits, losses, targets, rows, V, Vp, dloss);
+  }
+  template <class T>
+  static void cross_entropy_forward(Context& ctx, float* losses, const T* logits, const std::int32_t* targets,
+                                    std::int64_t rows, std::int64_t V, std::int64_t Vp) {
+    kernels::cross_entropy_forward(ctx.stream(), losses, logits, targets, rows, V, Vp);
+  }
+
+  // Transfers between host memory and device memory, in the compute stream's order.
+  // upload() may return before the copy lands, but the host data is already read
+  // (pageable copies are staged); download() waits for it.
+  template <class T>
+  static void upload(Context& ctx, T* dst, const T* host, std::int64_t n) {
+    if (n > 0)
+      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(dst, host, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyHostToDevice,
+                                        ctx.stream()));
+  }
+  template <class T>
+  static void download(Context& ctx, T* host, const T* src, std::int64_t n) {
+    if (n > 0)
+      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost,
+                                        ctx.stream()));
+    ctx.synchronize();
+  }
+  static void synchronize(Context& ctx) { ctx.synchronize(); }
+};
+
+}  // namespace llmpar::backend

@@ -1,0 +1,486 @@
+// Multi-tensor AdamW on the device (kernels/adamw.cuh) against the CPU optimizer's parts.
+//
+// What each check proves:
+//   - grad_norm_squared equals the sum over tensors of backend::cpu::sum_of_squares of
+//     the same gradients to float rounding (1e-6 relative; both square and add in
+//     double, in different groupings), and is bitwise identical when recomputed;
+//   - step() applies backend::cpu::adamw_update (math::adamw_step) with the CPU
+//     optimizer's clip factor grad_clip / (norm + 1e-6) times inv_loss_scale, per-tensor
+//     weight decay, over tensors of ragged sizes (1, 0, 7, 4097, 2^20 + 3, so chunks of
+//     one element, empty tensors and a partial last chunk), for three steps: master
+//     weights, m and v within 1e-5 relative + 1e-6 of the tensor's rms (the device
+//     contracts a * b + c into FMAs, the host does not); the clip factor is recomputed
+//     here from the device's norm with the kernel's double arithmetic, so both sides
+//     use the same scale;
+//   - with bf16/f16 parameters the step writes param = P(master) exactly, within 1 ulp
+//     of P(CPU master);
+//   - G = f16 gradients scaled by 1024 and unscaled by inv_loss_scale = 1/1024;
+//   - clipping active (max_norm below the norm), inactive (above) and disabled (0);
+//   - an inf or a NaN in one gradient sets found_inf = 1 and leaves every master
+//     weight, moment and parameter bitwise unchanged; a clean step afterwards runs;
+//   - the plan and step() reject bad tensors and hyper-parameters with messages that
+//     name the tensor or field and the fix, before any CUDA call (checked before the
+//     no-device skip).
+// Exit codes: 0 pass, 1 failure, 77 no CUDA device (ctest reports that as skipped).
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "llmpar/backend/cpu/adamw.hpp"
+#include "llmpar/backend/cpu/reduce.hpp"
+#include "llmpar/backend/cuda/memory.hpp"
+#include "llmpar/core/bits.hpp"
+#include "llmpar/core/rng.hpp"
+#include "llmpar/kernels/adamw.cuh"
+
+namespace {
+
+using llmpar::bf16;
+using llmpar::f16;
+using llmpar::backend::cuda::DeviceBuffer;
+namespace kernels = llmpar::kernels;
+namespace cpu = llmpar::backend::cpu;
+namespace math = llmpar::math;
+
+constexpr int kSkip = 77;
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
+    ++failures;
+  }
+}
+
+// fn() must throw llmpar::Error whose message contains `text`.
+template <class Fn>
+void expect_error(Fn fn, const char* text, const std::string& what) {
+  try {
+    fn();
+    expect(false, what + ": no error was thrown");
+  } catch (const llmpar::Error& e) {
+    if (std::strstr(e.what(), text) == nullptr) {
+      std::fprintf(stderr, "FAILED: %s: message \"%s\" lacks \"%s\"\n", what.c_str(), e.what(), text);
+      ++failures;
+    }
+  }
+}
+
+void report(bool ok, const std::string& line) {
+  std::printf("%-6s %s\n", ok ? "ok" : "FAIL", line.c_str());
+  expect(ok, line);
+}
+
+template <class T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, float>)
+    return "float";
+  else if constexpr (std::is_same_v<T, bf16>)
+    return "bf16";
+  else
+    return "f16";
+}
+
+template <class T>
+float to_f(T x) {
+  return llmpar::convert<float>(x);
+}
+
+template <class T>
+std::int64_t ordered(T x) {  // position on the number line in ulps of T
+  if constexpr (std::is_same_v<T, float>) {
+    const std::uint32_t u = llmpar::bits::of(x);
+    const std::int64_t magnitude = u & 0x7FFFFFFFu;
+    return (u >> 31) ? -magnitude : magnitude;
+  } else {
+    const std::int64_t magnitude = x.bits & 0x7FFFu;
+    return (x.bits >> 15) ? -magnitude : magnitude;
+  }
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <class T>
+std::vector<T> copy_out(const T* device, std::int64_t n, cudaStream_t stream) {
+  std::vector<T> host(static_cast<std::size_t>(n));
+  if (n > 0)
+    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host.data(), device, host.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return host;
+}
+
+// Elements of got farther from want than 1e-5 |want| + 1e-6 rms(want); prints a few.
+std::int64_t count_far(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  double sum_sq = 0.0;
+  for (float w : want) sum_sq += static_cast<double>(w) * w;
+  const double rms = want.empty() ? 0.0 : std::sqrt(sum_sq / static_cast<double>(want.size()));
+  std::int64_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double tolerance = 1e-5 * std::fabs(want[i]) + 1e-6 * rms;
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <= tolerance) && ++bad <= 3)
+      std::fprintf(stderr, "  %s[%zu]: device %.9g, cpu %.9g\n", what, i, got[i], want[i]);
+  }
+  return bad;
+}
+
+// ---------------------------------------------------------------------------------------
+// Host-side checks: every one throws before any CUDA call, so they run without a device.
+void host_checks() {
+  float fake[64] = {};  // never dereferenced: each plan below is rejected before upload
+  float* p = fake;
+  const float* g = fake + 32;
+  using Plan = kernels::AdamWPlan<float, float>;
+  using Tensor = kernels::AdamWTensor<float, float>;
+  auto plan_of = [](std::vector<Tensor> tensors) { return Plan(nullptr, tensors); };
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, g, p + 8, p + 16, 4, true}, {nullptr, nullptr, g, p + 8, p + 16, 4, true}});
+      },
+      "AdamWPlan: tensor 1 has master == nullptr; pass its float master weights", "null master");
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, g, p + 8, p + 16, -5, true}});
+      },
+      "AdamWPlan: tensor 0 has n = -5; element counts must be >= 0", "negative n");
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, nullptr, p + 8, p + 16, 4, false}});
+      },
+      "AdamWPlan: tensor 0 has grad == nullptr", "null grad");
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, g, nullptr, p + 16, 4, false}});
+      },
+      "AdamWPlan: tensor 0 has m == nullptr; pass its first-moment buffer", "null m");
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, g, p + 8, nullptr, 4, false}});
+      },
+      "AdamWPlan: tensor 0 has v == nullptr; pass its second-moment buffer", "null v");
+  expect_error(
+      [&] {
+        plan_of({{p, p + 24, g, p + 8, p + 16, 4, false}});
+      },
+      "AdamWPlan: tensor 0 has param != nullptr, but the parameter type is float", "float param given");
+  expect_error(
+      [&] {
+        plan_of({{p, nullptr, g, p + 8, p + 8, 4, false}});
+      },
+      "AdamWPlan: tensor 0 passes the same buffer twice among master, m and v", "m == v");
+  {
+    using Tensor16 = kernels::AdamWTensor<bf16, bf16>;
+    std::vector<Tensor16> tensors = {{p, nullptr, reinterpret_cast<const bf16*>(g), p + 8, p + 16, 4, true}};
+    expect_error([&] { kernels::AdamWPlan<bf16, bf16>(nullptr, tensors); },
+                 "AdamWPlan: tensor 0 has param == nullptr, but the parameter type is 16-bit", "bf16 param missing");
+  }
+
+  // A plan without elements makes no CUDA call, so step()'s checks can run here.
+  const Plan empty = plan_of({{nullptr, nullptr, nullptr, nullptr, nullptr, 0, true}});
+  expect(empty.num_tensors() == 1 && empty.num_chunks() == 0 && empty.workspace_floats() == 0,
+         "a plan of empty tensors has no chunks and needs no workspace");
+  int flag = 0;
+  const math::AdamWParams good{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  math::AdamWParams bad_lr = good;
+  bad_lr.lr = -1.0f;
+  math::AdamWParams bad_beta2 = good;
+  bad_beta2.beta2 = 1.0f;
+  expect_error([&] { empty.step(nullptr, bad_lr, 1, p, 1.0f, 1.0f, &flag); }, "AdamW lr is -1", "negative lr");
+  expect_error([&] { empty.step(nullptr, bad_beta2, 1, p, 1.0f, 1.0f, &flag); },
+               "AdamW beta2 is 1; it must be in [0, 1)", "beta2 = 1");
+  expect_error([&] { empty.step(nullptr, good, 0, p, 1.0f, 1.0f, &flag); }, "AdamW step is 0; steps count from 1",
+               "step 0");
+  expect_error([&] { empty.step(nullptr, good, 1, p, 0.0f, 1.0f, &flag); },
+               "AdamWPlan::step: inv_loss_scale is 0; it must be finite and > 0", "inv_loss_scale 0");
+  expect_error([&] { empty.step(nullptr, good, 1, p, std::numeric_limits<float>::infinity(), 1.0f, &flag); },
+               "AdamWPlan::step: inv_loss_scale is inf", "inv_loss_scale inf");
+  expect_error([&] { empty.step(nullptr, good, 1, p, 1.0f, -1.0f, &flag); },
+               "AdamWPlan::step: max_norm is -1; use a finite norm > 0, or 0 to disable clipping", "max_norm < 0");
+  expect_error([&] { empty.step(nullptr, good, 1, nullptr, 1.0f, 1.0f, &flag); }, "AdamWPlan::step: norm_sq is nullptr",
+               "null norm_sq");
+  expect_error([&] { empty.step(nullptr, good, 1, p, 1.0f, 1.0f, nullptr); }, "AdamWPlan::step: found_inf is nullptr",
+               "null found_inf");
+  expect_error([&] { empty.grad_norm_squared(nullptr, nullptr, p); },
+               "AdamWPlan::grad_norm_squared: norm_sq is nullptr", "grad_norm_squared without norm_sq");
+}
+
+// ---------------------------------------------------------------------------------------
+// Device checks.
+
+// One tensor's device buffers and the CPU optimizer's copy of its state.
+template <class G, class P>
+struct TensorState {
+  std::int64_t n = 0;
+  bool decay = false;
+  DeviceBuffer<float> master, m, v;
+  DeviceBuffer<P> param;  // empty when P is float
+  DeviceBuffer<G> grad;
+  std::vector<float> cpu_master, cpu_m, cpu_v;  // backend::cpu::adamw_update's state
+  std::vector<float> grad_values;               // the float values of the current G gradients
+};
+
+const math::AdamWParams kHp{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+
+template <class G, class P>
+class Harness {
+ public:
+  Harness(cudaStream_t stream, const std::vector<std::int64_t>& sizes, std::uint64_t seed)
+      : stream_(stream), norm_sq_(1, stream), found_inf_(1, stream) {
+    std::vector<kernels::AdamWTensor<G, P>> table;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      auto& t = tensors_.emplace_back();
+      t.n = sizes[i];
+      t.decay = i % 2 == 0;
+      t.master = DeviceBuffer<float>(t.n, stream);
+      t.m = DeviceBuffer<float>(t.n, stream);
+      t.v = DeviceBuffer<float>(t.n, stream);
+      t.grad = DeviceBuffer<G>(t.n, stream);
+      const llmpar::rng::Stream random(seed * 1000 + i);
+      t.cpu_master.resize(t.n);
+      for (std::int64_t k = 0; k < t.n; ++k) t.cpu_master[k] = static_cast<float>(0.5 * random.normal(k));
+      t.cpu_m.assign(t.n, 0.0f);
+      t.cpu_v.assign(t.n, 0.0f);
+      t.master.upload(t.cpu_master);
+      t.m.upload(t.cpu_m);
+      t.v.upload(t.cpu_v);
+      P* param = nullptr;
+      if constexpr (!std::is_same_v<P, float>) {
+        t.param = DeviceBuffer<P>(t.n, stream);
+        std::vector<P> rounded(t.n);
+        for (std::int64_t k = 0; k < t.n; ++k) rounded[k] = llmpar::convert<P>(t.cpu_master[k]);
+        t.param.upload(rounded);
+        param = t.param.data();
+      }
+      table.push_back({t.master.data(), param, t.grad.data(), t.m.data(), t.v.data(), t.n, t.decay});
+    }
+    plan_.emplace(stream, table);
+    workspace_ = DeviceBuffer<float>(plan_->workspace_floats(), stream);
+  }
+
+  const kernels::AdamWPlan<G, P>& plan() const { return *plan_; }
+
+  // New gradients: loss_scale * std * N(0, 1), stored as G; `poison` replaces one element.
+  void set_grads(std::uint64_t seed, double std_dev, float loss_scale, std::size_t poison_tensor = ~std::size_t{0},
+                 std::int64_t poison_index = 0, float poison = 0.0f) {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      auto& t = tensors_[i];
+      const llmpar::rng::Stream random(seed * 1000 + i);
+      std::vector<G> stored(t.n);
+      t.grad_values.resize(t.n);
+      for (std::int64_t k = 0; k < t.n; ++k) {
+        stored[k] = llmpar::convert<G>(static_cast<float>(loss_scale * std_dev * random.normal(k)));
+        if (i == poison_tensor && k == poison_index) stored[k] = llmpar::convert<G>(poison);
+        t.grad_values[k] = to_f(stored[k]);
+      }
+      t.grad.upload(stored);
+    }
+  }
+
+  // The device's norm^2 (computed twice: the two must be bitwise equal).
+  float device_norm_sq(bool* deterministic) {
+    plan_->grad_norm_squared(stream_, norm_sq_.data(), workspace_.data());
+    const float first = copy_out(norm_sq_.data(), 1, stream_)[0];
+    plan_->grad_norm_squared(stream_, norm_sq_.data(), workspace_.data());
+    const float second = copy_out(norm_sq_.data(), 1, stream_)[0];
+    *deterministic = llmpar::bits::of(first) == llmpar::bits::of(second);
+    return second;
+  }
+
+  double cpu_norm_sq() const {
+    double total = 0.0;
+    for (const auto& t : tensors_) total += cpu::sum_of_squares(t.grad_values.data(), t.n);
+    return total;
+  }
+
+  // The device step; returns found_inf.
+  int device_step(int step, float inv_loss_scale, float max_norm) {
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), stream_));
+    plan_->step(stream_, kHp, step, norm_sq_.data(), inv_loss_scale, max_norm, found_inf_.data());
+    return copy_out(found_inf_.data(), 1, stream_)[0];
+  }
+
+  // The CPU step with the scale the kernel derives from the device's norm^2.
+  void cpu_step(int step, float norm_sq, float inv_loss_scale, float max_norm, bool* clipped) {
+    const double norm = std::sqrt(static_cast<double>(norm_sq)) * static_cast<double>(inv_loss_scale);
+    const double clip =
+        (max_norm > 0.0f && norm > static_cast<double>(max_norm)) ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
+    *clipped = clip < 1.0;
+    const float scale = static_cast<float>(static_cast<double>(inv_loss_scale) * clip);
+    for (auto& t : tensors_) {
+      math::AdamWParams hp = kHp;
+      if (!t.decay) hp.weight_decay = 0.0f;
+      cpu::adamw_update(t.cpu_master.data(), t.cpu_m.data(), t.cpu_v.data(), t.grad_values.data(), t.n, hp, step,
+                        scale);
+    }
+  }
+
+  // Compares the device state with the CPU's; returns the number of bad elements.
+  std::int64_t compare() {
+    std::int64_t bad = 0;
+    for (auto& t : tensors_) {
+      const std::vector<float> master = copy_out(t.master.data(), t.n, stream_);
+      bad += count_far(master, t.cpu_master, "master");
+      bad += count_far(copy_out(t.m.data(), t.n, stream_), t.cpu_m, "m");
+      bad += count_far(copy_out(t.v.data(), t.n, stream_), t.cpu_v, "v");
+      if constexpr (!std::is_same_v<P, float>) {
+        const std::vector<P> param = copy_out(t.param.data(), t.n, stream_);
+        for (std::int64_t k = 0; k < t.n; ++k) {
+          const bool exact = ordered(param[k]) == ordered(llmpar::convert<P>(master[k]));
+          const bool near = std::llabs(ordered(param[k]) - ordered(llmpar::convert<P>(t.cpu_master[k]))) <= 1;
+          if (!(exact && near) && ++bad <= 3)
+            std::fprintf(stderr, "  param[%lld]: %.9g, P(device master) %.9g, P(cpu master) %.9g\n",
+                         static_cast<long long>(k), to_f(param[k]), to_f(llmpar::convert<P>(master[k])),
+                         to_f(llmpar::convert<P>(t.cpu_master[k])));
+        }
+      }
+    }
+    return bad;
+  }
+
+  // Every byte of device state, to prove a skipped step changed nothing.
+  std::vector<std::vector<std::uint8_t>> snapshot() {
+    std::vector<std::vector<std::uint8_t>> bytes;
+    auto grab = [&](const void* data, std::size_t size) {
+      std::vector<std::uint8_t> b(size);
+      if (size) LLMPAR_CHECK_CUDA(cudaMemcpyAsync(b.data(), data, size, cudaMemcpyDeviceToHost, stream_));
+      bytes.push_back(std::move(b));
+    };
+    for (auto& t : tensors_) {
+      grab(t.master.data(), t.master.bytes());
+      grab(t.m.data(), t.m.bytes());
+      grab(t.v.data(), t.v.bytes());
+      grab(t.param.data(), t.param.bytes());
+    }
+    LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream_));
+    return bytes;
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<TensorState<G, P>> tensors_;
+  std::optional<kernels::AdamWPlan<G, P>> plan_;
+  DeviceBuffer<float> workspace_;
+  DeviceBuffer<float> norm_sq_;
+  DeviceBuffer<int> found_inf_;
+};
+
+const std::vector<std::int64_t> kSizes = {1, 0, 7, 4097, (std::int64_t{1} << 20) + 3};
+// Chunks of 65536: 1 + 0 + 1 + 1 + 17.
+constexpr std::int64_t kExpectedChunks = 20;
+
+enum class Clip { active, inactive, disabled };
+
+// Three steps of fresh gradients: the device against the CPU after each.
+template <class G, class P>
+void check_steps(cudaStream_t stream, Clip clip, float loss_scale) {
+  Harness<G, P> h(stream, kSizes, 7);
+  const double grad_std = 0.01;  // norm ~ 0.01 * sqrt(1.05e6) ~ 10
+  const float max_norm = clip == Clip::active ? 1.0f : clip == Clip::inactive ? 1000.0f : 0.0f;
+  const float inv_loss_scale = 1.0f / loss_scale;
+  bool ok = h.plan().num_chunks() == kExpectedChunks && h.plan().workspace_floats() == 2 * kExpectedChunks;
+  std::string detail;
+  for (int step = 1; step <= 3; ++step) {
+    h.set_grads(100 + step, grad_std, loss_scale);
+    bool deterministic = false;
+    const float norm_sq = h.device_norm_sq(&deterministic);
+    const double want_norm_sq = h.cpu_norm_sq();
+    const bool norm_ok = std::fabs(static_cast<double>(norm_sq) - want_norm_sq) <= 1e-6 * want_norm_sq;
+    const int found_inf = h.device_step(step, inv_loss_scale, max_norm);
+    bool clipped = false;
+    h.cpu_step(step, norm_sq, inv_loss_scale, max_norm, &clipped);
+    const std::int64_t bad = h.compare();
+    const bool clip_as_asked = clipped == (clip == Clip::active);
+    ok = ok && norm_ok && deterministic && found_inf == 0 && bad == 0 && clip_as_asked;
+    detail += " step " + std::to_string(step) + ": norm " + std::to_string(std::sqrt(norm_sq) / loss_scale) +
+              (norm_ok ? "" : " (NORM MISMATCH)") + (deterministic ? "" : " (NORM NOT DETERMINISTIC)") +
+              (clipped ? " clipped" : "") + (clip_as_asked ? "" : " (CLIP STATE WRONG)") +
+              (found_inf ? " (FOUND_INF SET)" : "") + ", " + std::to_string(bad) + " bad;";
+  }
+  const char* clip_name = clip == Clip::active ? "clip active" : clip == Clip::inactive ? "clip inactive" : "no clip";
+  report(ok, std::string("adamw G=") + type_name<G>() + " P=" + type_name<P>() + " loss scale " +
+                 std::to_string(static_cast<int>(loss_scale)) + ", " + clip_name + ":" + detail);
+}
+
+// One inf (or NaN) gradient: found_inf is set and nothing changes; a clean step then runs.
+template <class G, class P>
+void check_non_finite(cudaStream_t stream, float poison, const char* poison_name) {
+  Harness<G, P> h(stream, kSizes, 9);
+  const float loss_scale = std::is_same_v<G, f16> ? 1024.0f : 1.0f;
+  h.set_grads(200, 0.01, loss_scale);
+  bool deterministic = false;
+  float norm_sq = h.device_norm_sq(&deterministic);
+  bool ok = h.device_step(1, 1.0f / loss_scale, 1.0f) == 0;
+  bool clipped = false;
+  h.cpu_step(1, norm_sq, 1.0f / loss_scale, 1.0f, &clipped);
+
+  const auto before = h.snapshot();
+  h.set_grads(201, 0.01, loss_scale, /*poison_tensor=*/3, /*poison_index=*/4000, poison);
+  norm_sq = h.device_norm_sq(&deterministic);
+  const bool norm_non_finite = !std::isfinite(norm_sq);
+  const int found_inf = h.device_step(2, 1.0f / loss_scale, 1.0f);
+  const bool unchanged = h.snapshot() == before;
+  ok = ok && norm_non_finite && found_inf == 1 && unchanged;
+
+  // The loss scaler skips the step; the next clean step still matches the CPU.
+  h.set_grads(202, 0.01, loss_scale);
+  norm_sq = h.device_norm_sq(&deterministic);
+  const int found_after = h.device_step(2, 1.0f / loss_scale, 1.0f);
+  h.cpu_step(2, norm_sq, 1.0f / loss_scale, 1.0f, &clipped);
+  const std::int64_t bad = h.compare();
+  ok = ok && found_after == 0 && bad == 0;
+  report(ok, std::string("adamw G=") + type_name<G>() + " P=" + type_name<P>() + " one " + poison_name +
+                 " gradient: norm^2 " + (norm_non_finite ? "non-finite" : "FINITE") + ", found_inf " +
+                 std::to_string(found_inf) + ", state " + (unchanged ? "bitwise unchanged" : "CHANGED") +
+                 "; next clean step " + (found_after == 0 && bad == 0 ? "matches cpu" : "WRONG"));
+}
+
+}  // namespace
+
+int main() {
+  try {
+    host_checks();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAILED: host checks: %s\n", e.what());
+    return 1;
+  }
+  if (llmpar::backend::cuda::device_count() == 0) {
+    std::printf("host checks %s; skipped the device checks: no CUDA device\n", failures ? "FAILED" : "passed");
+    return failures ? 1 : kSkip;
+  }
+  try {
+    llmpar::backend::cuda::DeviceContext context(0);
+    const cudaStream_t stream = context.compute();
+    for (const Clip clip : {Clip::active, Clip::inactive, Clip::disabled})
+      check_steps<float, float>(stream, clip, 1.0f);
+    for (const Clip clip : {Clip::active, Clip::inactive}) check_steps<bf16, bf16>(stream, clip, 1.0f);
+    for (const Clip clip : {Clip::active, Clip::inactive}) check_steps<f16, f16>(stream, clip, 1024.0f);
+    check_steps<f16, float>(stream, Clip::active, 1024.0f);
+    check_steps<float, bf16>(stream, Clip::active, 1.0f);
+    const float inf = std::numeric_limits<float>::infinity();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    check_non_finite<float, float>(stream, inf, "inf");
+    check_non_finite<float, float>(stream, nan, "NaN");
+    check_non_finite<bf16, bf16>(stream, -inf, "-inf");
+    check_non_finite<bf16, bf16>(stream, nan, "NaN");
+    check_non_finite<f16, f16>(stream, 1e6f, "f16-overflow (inf)");
+    check_non_finite<f16, f16>(stream, nan, "NaN");
+    LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAILED: %s\n", e.what());
+    return 1;
+  }
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("passed\n");
+  return 0;
+}

@@ -1,0 +1,416 @@
+// Fused softmax + cross-entropy on CUDA (kernels/cross_entropy.cuh) against the CPU
+// kernel (backend/cpu/cross_entropy.hpp).
+//
+// For float, bf16 and f16 storage and vocabularies V = 1, 7, 1000 and 50257 (padded to
+// Vp = 50304 as GPT-2 pads it, and unpadded, which takes the element path): losses and
+// dlogits against the CPU kernel on the same rounded logits, with NaN in the padding to
+// prove it never enters the softmax; padding gradients exactly 0; the loss-only kernel
+// equal bit for bit to the fused one; bitwise determinism run to run. Targets outside
+// [0, V) give NaN loss and NaN dlogits for their row only. The vocabulary-parallel split
+// in 2 and 3 slices, with the statistics combined on the host in slice order,
+// reproduces the unsplit kernel. Host-side errors are checked first, without a device.
+// Exit codes: 0 pass, 1 failure, 77 no CUDA device (ctest reports that as skipped).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "llmpar/backend/cpu/cross_entropy.hpp"
+#include "llmpar/backend/cuda/memory.hpp"
+#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/rng.hpp"
+#include "llmpar/kernels/cross_entropy.cuh"
+#include "llmpar/math/online_softmax.hpp"
+
+namespace {
+
+using llmpar::bf16;
+using llmpar::f16;
+namespace cpu = llmpar::backend::cpu;
+namespace kernels = llmpar::kernels;
+using llmpar::backend::cuda::DeviceBuffer;
+using llmpar::backend::cuda::DeviceContext;
+using Stats = llmpar::math::OnlineSoftmax<float>;
+
+constexpr int kSkip = 77;
+constexpr std::uint64_t kSeed = 20240611;
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
+    ++failures;
+  }
+}
+
+// f() must throw llmpar::Error whose message contains `needle`.
+template <class F>
+void expect_error(F&& f, const char* needle, const std::string& what) {
+  try {
+    f();
+    expect(false, what + ": should throw");
+  } catch (const llmpar::Error& e) {
+    const bool found = std::strstr(e.what(), needle) != nullptr;
+    if (!found) std::fprintf(stderr, "  message was: %s\n", e.what());
+    expect(found, what + ": message names \"" + needle + "\"");
+  }
+}
+
+template <class T>
+const char* name_of() {
+  if constexpr (std::is_same_v<T, float>)
+    return "f32";
+  else if constexpr (std::is_same_v<T, bf16>)
+    return "bf16";
+  else
+    return "f16";
+}
+
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Per storage type: |got - want| <= rtol |want| + atol max|want| (see test_cuda_layernorm).
+struct Tolerance {
+  double rtol, atol;
+};
+template <class T>
+Tolerance tolerance() {
+  if constexpr (std::is_same_v<T, float>)
+    return {1e-5, 1e-6};
+  else if constexpr (std::is_same_v<T, bf16>)
+    return {1.0 / 128.0, 1e-5};
+  else
+    return {1.0 / 1024.0, 1e-5};
+}
+
+// Checks got against want over the elements keep(i) selects; returns the largest error
+// relative to max|want|.
+template <class T, class Keep>
+double compare(const std::vector<T>& got, const std::vector<T>& want, Tolerance tol, const std::string& what,
+               Keep keep) {
+  if (got.size() != want.size()) {
+    expect(false, what + ": sizes differ");
+    return 1.0;
+  }
+  double scale = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (keep(i)) scale = std::max(scale, std::fabs(static_cast<double>(llmpar::convert<float>(want[i]))));
+  double worst = 0.0;
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!keep(i)) continue;
+    const double g = llmpar::convert<float>(got[i]);
+    const double w = llmpar::convert<float>(want[i]);
+    const double err = std::fabs(g - w);
+    worst = std::max(worst, scale > 0 ? err / scale : err);
+    if (!(err <= tol.rtol * std::fabs(w) + tol.atol * scale)) {
+      if (++bad <= 3) std::fprintf(stderr, "  %s[%zu]: got %.9g, want %.9g\n", what.c_str(), i, g, w);
+    }
+  }
+  expect(bad == 0, what + " within tolerance (" + std::to_string(bad) + " elements off)");
+  return worst;
+}
+template <class T>
+double compare(const std::vector<T>& got, const std::vector<T>& want, Tolerance tol, const std::string& what) {
+  return compare(got, want, tol, what, [](std::size_t) { return true; });
+}
+
+template <class T>
+DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer<T> buffer(host.size(), stream);
+  buffer.upload(host);
+  return buffer;
+}
+
+template <class T>
+std::vector<T> download(const DeviceBuffer<T>& buffer) {
+  std::vector<T> host(buffer.size());
+  buffer.download(host);
+  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(buffer.stream()));
+  return host;
+}
+
+// (rows, Vp) logits ~ N(0, 2^2) rounded to T, NaN in the padding columns [V, Vp).
+template <class T>
+std::vector<T> random_logits(std::int64_t rows, std::int64_t V, std::int64_t Vp, const std::string& name) {
+  const auto stream = llmpar::rng::Stream::named(kSeed, name);
+  std::vector<T> v(static_cast<std::size_t>(rows * Vp));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < Vp; ++c)
+      v[r * Vp + c] = llmpar::convert<T>(
+          c < V ? static_cast<float>(2.0 * stream.normal(static_cast<std::uint64_t>(r * Vp + c))) : std::nanf(""));
+  return v;
+}
+
+// Targets in [0, V), with the first row at 0 and the last at V - 1.
+std::vector<std::int32_t> random_targets(std::int64_t rows, std::int64_t V, const std::string& name) {
+  const auto stream = llmpar::rng::Stream::named(kSeed, name);
+  std::vector<std::int32_t> t(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r)
+    t[r] = std::min(static_cast<std::int32_t>(stream.uniform(static_cast<std::uint64_t>(r)) * static_cast<float>(V)),
+                    static_cast<std::int32_t>(V - 1));
+  t.front() = 0;
+  t.back() = static_cast<std::int32_t>(V - 1);
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------
+// Host-side errors: thrown before any CUDA call, so they are checked without a device.
+
+void check_host_errors() {
+  std::vector<float> host(64);
+  float* p = host.data();
+  std::vector<std::int32_t> targets(8, 0);
+  const std::int32_t* t = targets.data();
+  Stats stats[4];
+  const cudaStream_t s = nullptr;
+  expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, t, 2, 0, 8, 1.0f); }, "V = 0, Vp = 8",
+               "cross_entropy_forward_backward V = 0");
+  expect_error([&] { kernels::cross_entropy_forward_backward<bf16>(s, nullptr, p, t, 2, 9, 8, 1.0f); },
+               "need 1 <= V <= Vp", "cross_entropy_forward_backward V > Vp");
+  expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, t, -1, 4, 8, 1.0f); }, "rows = -1",
+               "cross_entropy_forward_backward rows < 0");
+  expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, t, 2, 4, 8, std::nanf("")); },
+               "dloss = nan", "cross_entropy_forward_backward dloss NaN");
+  expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, nullptr, 2, 4, 8, 1.0f); },
+               "targets is null", "cross_entropy_forward_backward null targets");
+  expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, t, 1, 4, std::int64_t{1} << 31, 1.0f); },
+               "(targets are int32)", "cross_entropy_forward_backward Vp too large");
+  expect_error([&] { kernels::cross_entropy_forward<f16>(s, p, nullptr, t, 3, 0, 0); }, "cross_entropy_forward: V = 0",
+               "cross_entropy_forward V = 0");
+  expect_error([&] { kernels::cross_entropy_forward<float>(s, nullptr, p, t, 3, 4, 4); }, "losses is null",
+               "cross_entropy_forward null losses");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, stats, p, p, t, 2, -1, 8); },
+               "v0 = -1, Vlocal = 8", "vocab_parallel_cross_entropy_stats v0 < 0");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<bf16>(s, stats, p, nullptr, t, 2, 0, 0); },
+               "Vlocal = 0", "vocab_parallel_cross_entropy_stats Vlocal = 0");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, nullptr, p, p, t, 2, 0, 8); },
+               "stats is null", "vocab_parallel_cross_entropy_stats null stats");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, stats, p, t, -2, 0, 8, 1.0f); },
+               "rows = -2", "vocab_parallel_cross_entropy_finish rows < 0");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, stats, p, t, 2, 0, 8, INFINITY); },
+               "dloss = inf", "vocab_parallel_cross_entropy_finish dloss inf");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, nullptr, p, t, 2, 0, 8, 1.0f); },
+               "global_stats is null", "vocab_parallel_cross_entropy_finish null global_stats");
+  // No rows is not an error and launches nothing (so it works without a device).
+  try {
+    kernels::cross_entropy_forward_backward<float>(s, nullptr, nullptr, nullptr, 0, 4, 8, 1.0f);
+    kernels::cross_entropy_forward<bf16>(s, nullptr, nullptr, nullptr, 0, 4, 8);
+    kernels::vocab_parallel_cross_entropy_stats<f16>(s, nullptr, nullptr, nullptr, nullptr, 0, 0, 8);
+    kernels::vocab_parallel_cross_entropy_finish<f16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 8, 1.0f);
+  } catch (const std::exception& e) {
+    expect(false, std::string("rows = 0 should be a no-op: ") + e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Device cases.
+
+template <class T>
+void fused_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, std::int64_t Vp) {
+  const cudaStream_t stream = context.compute();
+  const std::string tag = std::string("cross_entropy ") + name_of<T>() + " rows=" + std::to_string(rows) +
+                          " V=" + std::to_string(V) + " Vp=" + std::to_string(Vp);
+  const std::string seed = std::to_string(rows) + "x" + std::to_string(V) + "x" + std::to_string(Vp);
+  const auto logits = random_logits<T>(rows, V, Vp, "logits." + seed);
+  const auto targets = random_targets(rows, V, "targets." + seed);
+  const float dloss = 1.0f / static_cast<float>(rows);
+  const Tolerance tol = tolerance<T>();
+
+  std::vector<T> dlogits_cpu = logits;
+  std::vector<float> losses_cpu(rows);
+  cpu::cross_entropy_forward_backward(dlogits_cpu.data(), losses_cpu.data(), targets.data(), rows, V, Vp, dloss);
+
+  auto d_targets = upload(targets, stream);
+  const auto run = [&](const std::vector<std::int32_t>* other_targets) {
+    auto d_logits = upload(logits, stream);
+    DeviceBuffer<float> d_losses(rows, stream);
+    DeviceBuffer<std::int32_t> d_other(other_targets ? other_targets->size() : 0, stream);
+    if (other_targets) d_other.upload(*other_targets);
+    kernels::cross_entropy_forward_backward<T>(stream, d_logits.data(), d_losses.data(),
+                                               other_targets ? d_other.data() : d_targets.data(), rows, V, Vp, dloss);
+    std::pair<std::vector<T>, std::vector<float>> result{download(d_logits), download(d_losses)};
+    return result;
+  };
+  const auto [dlogits, losses] = run(nullptr);
+  const auto vocab = [&](std::size_t i) { return static_cast<std::int64_t>(i) % Vp < V; };
+  const double loss_err = compare(losses, losses_cpu, {1e-5, 1e-6}, tag + " losses");
+  const double grad_err = compare(dlogits, dlogits_cpu, tol, tag + " dlogits", vocab);
+  bool padding_zero = true;
+  for (std::size_t i = 0; i < dlogits.size(); ++i)
+    if (!vocab(i))
+      padding_zero = padding_zero && llmpar::convert<float>(dlogits[i]) == 0.0f &&
+                     !std::signbit(llmpar::convert<float>(dlogits[i]));
+  expect(padding_zero, tag + ": padding gradients are +0");
+
+  // The loss-only kernel gives the same bits; a second run gives the same bits.
+  {
+    auto d_logits = upload(logits, stream);
+    DeviceBuffer<float> d_losses(rows, stream);
+    kernels::cross_entropy_forward<T>(stream, d_losses.data(), d_logits.data(), d_targets.data(), rows, V, Vp);
+    expect(bitwise_equal(download(d_losses), losses), tag + ": cross_entropy_forward = fused losses, bitwise");
+    expect(bitwise_equal(download(d_logits), logits), tag + ": cross_entropy_forward leaves the logits alone");
+    const auto [dlogits2, losses2] = run(nullptr);
+    expect(bitwise_equal(dlogits2, dlogits) && bitwise_equal(losses2, losses), tag + ": bitwise reproducible");
+  }
+
+  // Out-of-range targets: NaN loss and NaN dlogits on [0, V) for those rows (padding
+  // still 0); the other rows are untouched, bit for bit.
+  if (rows >= 3) {
+    std::vector<std::int32_t> bad = targets;
+    bad[0] = -1;
+    bad[rows / 2] = static_cast<std::int32_t>(V);
+    bad[rows - 1] = 2147483647;
+    const auto [dl_bad, loss_bad] = run(&bad);
+    bool ok = true;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const bool invalid = bad[r] != targets[r];
+      ok = ok && (invalid ? std::isnan(loss_bad[r]) : std::memcmp(&loss_bad[r], &losses[r], sizeof(float)) == 0);
+      for (std::int64_t c = 0; c < Vp; ++c) {
+        const float g = llmpar::convert<float>(dl_bad[r * Vp + c]);
+        if (c >= V)
+          ok = ok && g == 0.0f;
+        else if (invalid)
+          ok = ok && std::isnan(g);
+        else
+          ok = ok && std::memcmp(&dl_bad[r * Vp + c], &dlogits[r * Vp + c], sizeof(T)) == 0;
+      }
+    }
+    expect(ok, tag + ": targets -1, V and 2^31-1 give NaN loss and dlogits in their rows only");
+  }
+  std::printf("%-56s losses %.2e  dlogits %.2e\n", tag.c_str(), loss_err, grad_err);
+}
+
+// The vocabulary split in `slices` parts (the first ones multiples of 8 columns, so both
+// the vector and the element path run): stats per slice, combined on the host in slice
+// order, then finish per slice, against the unsplit kernel.
+template <class T>
+void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, int slices) {
+  const cudaStream_t stream = context.compute();
+  const std::string tag = std::string("vocab_parallel ") + name_of<T>() + " rows=" + std::to_string(rows) +
+                          " V=" + std::to_string(V) + " slices=" + std::to_string(slices);
+  const std::string seed = "vp." + std::to_string(rows) + "x" + std::to_string(V);
+  const auto logits = random_logits<T>(rows, V, V, "logits." + seed);
+  auto targets = random_targets(rows, V, "targets." + seed);
+  const float dloss = 1.0f / static_cast<float>(rows);
+
+  // The unsplit reference on the device.
+  auto d_targets = upload(targets, stream);
+  auto d_full = upload(logits, stream);
+  DeviceBuffer<float> d_full_losses(rows, stream);
+  kernels::cross_entropy_forward_backward<T>(stream, d_full.data(), d_full_losses.data(), d_targets.data(), rows, V, V,
+                                             dloss);
+  const auto full_dlogits = download(d_full);
+  const auto full_losses = download(d_full_losses);
+
+  // Slice boundaries.
+  std::vector<std::int64_t> begin(slices + 1);
+  const std::int64_t width = (V / slices + 7) / 8 * 8;
+  for (int i = 0; i < slices; ++i) begin[i] = std::min<std::int64_t>(i * width, V);
+  begin[slices] = V;
+
+  std::vector<std::vector<T>> local(slices);
+  std::vector<DeviceBuffer<T>> d_local;
+  std::vector<Stats> global(rows);
+  std::vector<float> target_logit(rows, 0.0f);
+  for (int i = 0; i < slices; ++i) {
+    const std::int64_t v0 = begin[i], Vlocal = begin[i + 1] - begin[i];
+    local[i].resize(rows * Vlocal);
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::copy_n(logits.begin() + r * V + v0, Vlocal, local[i].begin() + r * Vlocal);
+    d_local.push_back(upload(local[i], stream));
+    DeviceBuffer<Stats> d_stats(rows, stream);
+    DeviceBuffer<float> d_tl(rows, stream);
+    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_tl.data(), d_local.back().data(),
+                                                   d_targets.data(), rows, v0, Vlocal);
+    const auto stats = download(d_stats);
+    const auto tl = download(d_tl);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      global[r].combine(stats[r]);  // slice (rank) order
+      const bool here = targets[r] >= v0 && targets[r] < v0 + Vlocal;
+      expect(here || tl[r] == 0.0f, tag + ": target_logit is 0 where the target is not local");
+      target_logit[r] += tl[r];
+    }
+  }
+  auto d_global = upload(global, stream);
+  auto d_tl = upload(target_logit, stream);
+  std::vector<T> split(rows * V);
+  double loss_err = 0.0;
+  for (int i = 0; i < slices; ++i) {
+    const std::int64_t v0 = begin[i], Vlocal = begin[i + 1] - begin[i];
+    DeviceBuffer<float> d_losses(rows, stream);
+    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_local[i].data(), d_losses.data(), d_global.data(),
+                                                    d_tl.data(), d_targets.data(), rows, v0, Vlocal, dloss);
+    const auto losses = download(d_losses);
+    loss_err = std::max(loss_err, compare(losses, full_losses, {1e-5, 1e-6}, tag + " losses"));
+    const auto g = download(d_local[i]);
+    for (std::int64_t r = 0; r < rows; ++r) std::copy_n(g.begin() + r * Vlocal, Vlocal, split.begin() + r * V + v0);
+  }
+  const double grad_err = compare(split, full_dlogits, tolerance<T>(), tag + " dlogits");
+
+  // A negative target is seen by every rank: NaN target logit, loss and dlogits.
+  {
+    targets[1] = -5;
+    auto d_bad_targets = upload(targets, stream);
+    const std::int64_t Vlocal = begin[1];
+    DeviceBuffer<Stats> d_stats(rows, stream);
+    DeviceBuffer<float> d_tl1(rows, stream), d_losses(rows, stream);
+    auto d_slice = upload(local[0], stream);
+    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_tl1.data(), d_slice.data(),
+                                                   d_bad_targets.data(), rows, 0, Vlocal);
+    expect(std::isnan(download(d_tl1)[1]), tag + ": a negative target's target_logit is NaN");
+    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_slice.data(), d_losses.data(), d_global.data(),
+                                                    d_tl1.data(), d_bad_targets.data(), rows, 0, Vlocal, dloss);
+    const auto g = download(d_slice);
+    bool all_nan = std::isnan(download(d_losses)[1]);
+    for (std::int64_t c = 0; c < Vlocal; ++c) all_nan = all_nan && std::isnan(llmpar::convert<float>(g[Vlocal + c]));
+    expect(all_nan, tag + ": a negative target gives NaN loss and dlogits");
+  }
+  std::printf("%-56s losses %.2e  dlogits %.2e\n", tag.c_str(), loss_err, grad_err);
+}
+
+template <class T>
+void all_cases(const DeviceContext& context) {
+  fused_case<T>(context, 1, 1, 1);
+  fused_case<T>(context, 5, 7, 7);
+  fused_case<T>(context, 3, 7, 16);
+  fused_case<T>(context, 17, 1000, 1024);
+  fused_case<T>(context, 64, 50257, 50304);
+  fused_case<T>(context, 4, 50257, 50257);  // unpadded, odd: the element path
+  for (const int slices : {2, 3}) {
+    vocab_parallel_case<T>(context, 9, 1000, slices);
+    vocab_parallel_case<T>(context, 16, 50257, slices);
+  }
+}
+
+}  // namespace
+
+int main() {
+  check_host_errors();
+  if (llmpar::backend::cuda::device_count() == 0) {
+    std::printf("host-side checks %s; skipped: no CUDA device\n", failures ? "FAILED" : "passed");
+    return failures ? 1 : kSkip;
+  }
+  try {
+    DeviceContext context(0);
+    all_cases<float>(context);
+    all_cases<bf16>(context);
+    all_cases<f16>(context);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAILED: %s\n", e.what());
+    return 1;
+  }
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("passed\n");
+  return 0;
+}
