@@ -33,24 +33,16 @@
 #include "llmpar/math/exp.hpp"
 #include "llmpar/math/welford.hpp"
 
+#include "kernel_test_util.hpp"
+
 using namespace llmpar;
 namespace cpu = llmpar::backend::cpu;
+using namespace llmpar::kernel_test;
 
 namespace {
 
-constexpr std::uint64_t kSeed = 20240611;
-// Central differences in double: truncation ~h^2, rounding ~1e-16 |loss| / h.
-constexpr double kFdStep = 1e-6;
-constexpr double kFdTolerance = 1e-6;
 // LayerNorm's eps as the kernels receive it (a float).
 constexpr double kEps = static_cast<double>(1e-5f);
-
-std::vector<double> random_normal(std::int64_t n, const std::string& name, double stddev = 1.0, double mean = 0.0) {
-  const auto stream = rng::Stream::named(kSeed, name);
-  std::vector<double> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[i] = mean + stddev * stream.normal(static_cast<std::uint64_t>(i));
-  return v;
-}
 
 std::vector<std::int32_t> random_tokens(std::int64_t n, std::int32_t vocab, const std::string& name) {
   const auto stream = rng::Stream::named(kSeed, name);
@@ -60,85 +52,6 @@ std::vector<std::int32_t> random_tokens(std::int64_t n, std::int32_t vocab, cons
     v[i] = std::min(v[i], vocab - 1);
   }
   return v;
-}
-
-// Rounds to T (through float for float, bf16 and f16).
-template <class T>
-std::vector<T> cast_to(const std::vector<double>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (std::is_same_v<T, double>)
-      out[i] = v[i];
-    else
-      out[i] = static_cast<T>(static_cast<float>(v[i]));
-  }
-  return out;
-}
-
-template <class T>
-std::vector<double> to_double(const std::vector<T>& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if constexpr (std::is_same_v<T, double>)
-      out[i] = v[i];
-    else
-      out[i] = static_cast<double>(static_cast<float>(v[i]));
-  }
-  return out;
-}
-
-// max |a - b| / max |b|: an error relative to the scale of the expected values.
-template <class A, class B>
-double relative_error(const std::vector<A>& a, const std::vector<B>& b) {
-  REQUIRE(a.size() == b.size());
-  double diff = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
-    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
-  }
-  return scale > 0.0 ? diff / scale : diff;
-}
-
-template <class T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-template <class T>
-std::vector<T> minus(const std::vector<T>& a, const std::vector<T>& b) {
-  std::vector<T> out(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) out[i] = a[i] - b[i];
-  return out;
-}
-
-double dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-// d loss / d p for every element of p, by central differences (p is restored).
-std::vector<double> finite_difference(std::vector<double>& p, const std::function<double()>& loss) {
-  std::vector<double> grad(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    const double saved = p[i];
-    p[i] = saved + kFdStep;
-    const double up = loss();
-    p[i] = saved - kFdStep;
-    const double down = loss();
-    p[i] = saved;
-    grad[i] = (up - down) / (2.0 * kFdStep);
-  }
-  return grad;
-}
-
-// Runs f with n OpenMP threads, restoring the previous count afterwards.
-template <class F>
-void with_threads(int n, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(saved);
 }
 
 // ---------------------------------------------------------------------------------------

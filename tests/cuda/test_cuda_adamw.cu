@@ -39,6 +39,8 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/kernels/adamw.cuh"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using llmpar::bf16;
@@ -47,76 +49,18 @@ using llmpar::backend::cuda::DeviceBuffer;
 namespace kernels = llmpar::kernels;
 namespace cpu = llmpar::backend::cpu;
 namespace math = llmpar::math;
+namespace gpu_test = llmpar::gpu_test;
 
-constexpr int kSkip = 77;
-int failures = 0;
+using gpu_test::copy_out;
+using gpu_test::ErrorWording;
+using gpu_test::expect;
+using gpu_test::ExpectError;
+using gpu_test::ordered;
+using gpu_test::report;
+using gpu_test::to_f;
+using gpu_test::type_name;
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
-
-// fn() must throw llmpar::Error whose message contains `text`.
-template <class Fn>
-void expect_error(Fn fn, const char* text, const std::string& what) {
-  try {
-    fn();
-    expect(false, what + ": no error was thrown");
-  } catch (const llmpar::Error& e) {
-    if (std::strstr(e.what(), text) == nullptr) {
-      std::fprintf(stderr, "FAILED: %s: message \"%s\" lacks \"%s\"\n", what.c_str(), e.what(), text);
-      ++failures;
-    }
-  }
-}
-
-void report(bool ok, const std::string& line) {
-  std::printf("%-6s %s\n", ok ? "ok" : "FAIL", line.c_str());
-  expect(ok, line);
-}
-
-template <class T>
-const char* type_name() {
-  if constexpr (std::is_same_v<T, float>)
-    return "float";
-  else if constexpr (std::is_same_v<T, bf16>)
-    return "bf16";
-  else
-    return "f16";
-}
-
-template <class T>
-float to_f(T x) {
-  return llmpar::convert<float>(x);
-}
-
-template <class T>
-std::int64_t ordered(T x) {  // position on the number line in ulps of T
-  if constexpr (std::is_same_v<T, float>) {
-    const std::uint32_t u = llmpar::bits::of(x);
-    const std::int64_t magnitude = u & 0x7FFFFFFFu;
-    return (u >> 31) ? -magnitude : magnitude;
-  } else {
-    const std::int64_t magnitude = x.bits & 0x7FFFu;
-    return (x.bits >> 15) ? -magnitude : magnitude;
-  }
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-template <class T>
-std::vector<T> copy_out(const T* device, std::int64_t n, cudaStream_t stream) {
-  std::vector<T> host(static_cast<std::size_t>(n));
-  if (n > 0)
-    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host.data(), device, host.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
-  return host;
-}
+constexpr ExpectError expect_error{ErrorWording::lacks};
 
 // Elements of got farther from want than 1e-5 |want| + 1e-6 rms(want); prints a few.
 std::int64_t count_far(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
@@ -445,17 +389,12 @@ void check_non_finite(cudaStream_t stream, float poison, const char* poison_name
 }  // namespace
 
 int main() {
-  try {
-    host_checks();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: host checks: %s\n", e.what());
-    return 1;
-  }
+  if (!gpu_test::run_host_checks(host_checks, "host checks")) return 1;
   if (llmpar::backend::cuda::device_count() == 0) {
-    std::printf("host checks %s; skipped the device checks: no CUDA device\n", failures ? "FAILED" : "passed");
-    return failures ? 1 : kSkip;
+    std::printf("host checks %s; skipped the device checks: no CUDA device\n", gpu_test::verdict());
+    return gpu_test::skip_exit_code();
   }
-  try {
+  return gpu_test::run_device_checks([] {
     llmpar::backend::cuda::DeviceContext context(0);
     const cudaStream_t stream = context.compute();
     for (const Clip clip : {Clip::active, Clip::inactive, Clip::disabled})
@@ -473,14 +412,5 @@ int main() {
     check_non_finite<f16, f16>(stream, 1e6f, "f16-overflow (inf)");
     check_non_finite<f16, f16>(stream, nan, "NaN");
     LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: %s\n", e.what());
-    return 1;
-  }
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("passed\n");
-  return 0;
+  });
 }

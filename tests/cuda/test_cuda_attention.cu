@@ -41,6 +41,8 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/kernels/attention.cuh"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using llmpar::bf16;
@@ -48,28 +50,15 @@ using llmpar::f16;
 using llmpar::backend::cuda::DeviceBuffer;
 using llmpar::backend::cuda::DeviceContext;
 using llmpar::kernels::AttentionMask;
+namespace gpu_test = llmpar::gpu_test;
 
-constexpr int kSkip = 77;
-int failures = 0;
+using gpu_test::download;
+using gpu_test::ErrorWording;
+using gpu_test::expect;
+using gpu_test::ExpectError;
+using gpu_test::same_bits;
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
-
-// Runs `f`, which must throw llmpar::Error whose message contains `needle`.
-template <class F>
-void expect_error(F&& f, const char* needle, const char* what) {
-  try {
-    f();
-    expect(false, std::string(what) + ": no error was thrown");
-  } catch (const llmpar::Error& e) {
-    expect(std::strstr(e.what(), needle) != nullptr,
-           std::string(what) + ": message lacks \"" + needle + "\": " + e.what());
-  }
-}
+constexpr ExpectError expect_error{ErrorWording::lacks_message_last};
 
 // The host-side checks: each throws before anything touches CUDA.
 void check_host_errors() {
@@ -100,10 +89,7 @@ void check_host_errors() {
 // Random stored values: element i of the named stream, standard normal, rounded to T.
 template <class T>
 std::vector<T> random_tensor(const char* name, std::size_t n, std::uint64_t seed) {
-  const auto stream = llmpar::rng::Stream::named(seed, name);
-  std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = llmpar::convert<T>(static_cast<float>(stream.normal(i)));
-  return v;
+  return gpu_test::random_vector<T>(llmpar::rng::Stream::named(seed, name), static_cast<std::int64_t>(n));
 }
 
 template <class T>
@@ -138,23 +124,10 @@ double worst_ratio(std::span<const T> got, std::span<const Ref> ref, double ulps
   return worst;
 }
 
-template <class T>
-std::vector<T> download(const DeviceBuffer<T>& buffer, cudaStream_t stream) {
-  std::vector<T> host(buffer.size());
-  buffer.download(host);
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
-  return host;
-}
-
 // Fills a device buffer with NaN bytes, so an element a kernel forgets to write shows.
 template <class T>
 void poison(DeviceBuffer<T>& buffer, cudaStream_t stream) {
   LLMPAR_CHECK_CUDA(cudaMemsetAsync(buffer.data(), 0xFF, buffer.bytes(), stream));
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 struct Shape {
@@ -307,23 +280,23 @@ void run_case(const DeviceContext& context, std::int64_t hs, Shape s, AttentionM
   poison(d_out, stream);
   poison(d_lse, stream);
   kernels::attention_forward<T>(stream, d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, C, s.NH, mask);
-  const std::vector<T> out1 = download(d_out, stream);
-  const std::vector<float> lse1 = download(d_lse, stream);
+  const std::vector<T> out1 = download(d_out);
+  const std::vector<float> lse1 = download(d_lse);
   poison(d_out, stream);
   poison(d_lse, stream);
   kernels::attention_forward<T>(stream, d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, C, s.NH, mask);
-  const std::vector<T> out2 = download(d_out, stream);
-  const std::vector<float> lse2 = download(d_lse, stream);
+  const std::vector<T> out2 = download(d_out);
+  const std::vector<float> lse2 = download(d_lse);
 
   // Backward, twice, on the reference's out and lse.
   poison(d_dqkv, stream);
   kernels::attention_backward<T>(stream, d_dqkv.data(), d_dout.data(), d_qkv.data(), d_ref_out.data(), d_ref_lse.data(),
                                  d_ws.data(), s.B, s.T, C, s.NH, mask);
-  const std::vector<T> dqkv1 = download(d_dqkv, stream);
+  const std::vector<T> dqkv1 = download(d_dqkv);
   poison(d_dqkv, stream);
   kernels::attention_backward<T>(stream, d_dqkv.data(), d_dout.data(), d_qkv.data(), d_ref_out.data(), d_ref_lse.data(),
                                  d_ws.data(), s.B, s.T, C, s.NH, mask);
-  const std::vector<T> dqkv2 = download(d_dqkv, stream);
+  const std::vector<T> dqkv2 = download(d_dqkv);
 
   const double r_out = worst_ratio<T, double>(out1, ref_out_d, storage_ulps<T>(), forward_out_rel<T>(hs));
   const double r_lse = worst_ratio<float, double>(lse1, ref_lse_d, 0.0, kForwardRel);
@@ -366,8 +339,8 @@ void run_unaligned_case(const DeviceContext& context, std::int64_t hs, Shape s, 
   poison(d_out, stream);
   poison(d_lse, stream);
   kernels::attention_forward<T>(stream, d_out.data() + 1, d_lse.data(), d_qkv.data() + 1, s.B, s.T, C, s.NH, mask);
-  const std::vector<T> out_all = download(d_out, stream);
-  const std::vector<float> lse = download(d_lse, stream);
+  const std::vector<T> out_all = download(d_out);
+  const std::vector<float> lse = download(d_lse);
   const std::span<const T> out(out_all.data() + 1, n_out);
 
   const double r_out = worst_ratio<T, double>(out, ref_out, storage_ulps<T>(), kForwardRel);
@@ -427,30 +400,16 @@ void report_speed(const DeviceContext& context) {
 }  // namespace
 
 int main() {
-  try {
-    check_host_errors();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: host-side checks: %s\n", e.what());
-    return 1;
-  }
+  if (!gpu_test::run_host_checks(check_host_errors, "host-side checks")) return 1;
   if (llmpar::backend::cuda::device_count() == 0) {
-    std::printf("skipped: no CUDA device (host-side checks %s)\n", failures ? "FAILED" : "passed");
-    return failures ? 1 : kSkip;
+    std::printf("skipped: no CUDA device (host-side checks %s)\n", gpu_test::verdict());
+    return gpu_test::skip_exit_code();
   }
-  try {
+  return gpu_test::run_device_checks([] {
     DeviceContext context(0);
     run_all<float>(context);
     run_all<bf16>(context);
     run_all<f16>(context);
     report_speed(context);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: %s\n", e.what());
-    return 1;
-  }
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("passed\n");
-  return 0;
+  });
 }

@@ -27,6 +27,8 @@
 #include "llmpar/kernels/cross_entropy.cuh"
 #include "llmpar/math/online_softmax.hpp"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using llmpar::bf16;
@@ -36,106 +38,23 @@ namespace kernels = llmpar::kernels;
 using llmpar::backend::cuda::DeviceBuffer;
 using llmpar::backend::cuda::DeviceContext;
 using Stats = llmpar::math::OnlineSoftmax<float>;
+namespace gpu_test = llmpar::gpu_test;
 
-constexpr int kSkip = 77;
 constexpr std::uint64_t kSeed = 20240611;
-int failures = 0;
+// The atol of float in the per-storage-type tolerance (gpu_test::tolerance).
+constexpr double kFloatAtol = 1e-6;
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
+using gpu_test::compare;
+using gpu_test::download;
+using gpu_test::dtype_name;
+using gpu_test::ErrorWording;
+using gpu_test::expect;
+using gpu_test::ExpectError;
+using gpu_test::same_bits;
+using gpu_test::Tolerance;
+using gpu_test::upload;
 
-// f() must throw llmpar::Error whose message contains `needle`.
-template <class F>
-void expect_error(F&& f, const char* needle, const std::string& what) {
-  try {
-    f();
-    expect(false, what + ": should throw");
-  } catch (const llmpar::Error& e) {
-    const bool found = std::strstr(e.what(), needle) != nullptr;
-    if (!found) std::fprintf(stderr, "  message was: %s\n", e.what());
-    expect(found, what + ": message names \"" + needle + "\"");
-  }
-}
-
-template <class T>
-const char* name_of() {
-  if constexpr (std::is_same_v<T, float>)
-    return "f32";
-  else if constexpr (std::is_same_v<T, bf16>)
-    return "bf16";
-  else
-    return "f16";
-}
-
-template <class T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-// Per storage type: |got - want| <= rtol |want| + atol max|want| (see test_cuda_layernorm).
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance tolerance() {
-  if constexpr (std::is_same_v<T, float>)
-    return {1e-5, 1e-6};
-  else if constexpr (std::is_same_v<T, bf16>)
-    return {1.0 / 128.0, 1e-5};
-  else
-    return {1.0 / 1024.0, 1e-5};
-}
-
-// Checks got against want over the elements keep(i) selects; returns the largest error
-// relative to max|want|.
-template <class T, class Keep>
-double compare(const std::vector<T>& got, const std::vector<T>& want, Tolerance tol, const std::string& what,
-               Keep keep) {
-  if (got.size() != want.size()) {
-    expect(false, what + ": sizes differ");
-    return 1.0;
-  }
-  double scale = 0.0;
-  for (std::size_t i = 0; i < want.size(); ++i)
-    if (keep(i)) scale = std::max(scale, std::fabs(static_cast<double>(llmpar::convert<float>(want[i]))));
-  double worst = 0.0;
-  std::size_t bad = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (!keep(i)) continue;
-    const double g = llmpar::convert<float>(got[i]);
-    const double w = llmpar::convert<float>(want[i]);
-    const double err = std::fabs(g - w);
-    worst = std::max(worst, scale > 0 ? err / scale : err);
-    if (!(err <= tol.rtol * std::fabs(w) + tol.atol * scale)) {
-      if (++bad <= 3) std::fprintf(stderr, "  %s[%zu]: got %.9g, want %.9g\n", what.c_str(), i, g, w);
-    }
-  }
-  expect(bad == 0, what + " within tolerance (" + std::to_string(bad) + " elements off)");
-  return worst;
-}
-template <class T>
-double compare(const std::vector<T>& got, const std::vector<T>& want, Tolerance tol, const std::string& what) {
-  return compare(got, want, tol, what, [](std::size_t) { return true; });
-}
-
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer<T> buffer(host.size(), stream);
-  buffer.upload(host);
-  return buffer;
-}
-
-template <class T>
-std::vector<T> download(const DeviceBuffer<T>& buffer) {
-  std::vector<T> host(buffer.size());
-  buffer.download(host);
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(buffer.stream()));
-  return host;
-}
+constexpr ExpectError expect_error{ErrorWording::names};
 
 // (rows, Vp) logits ~ N(0, 2^2) rounded to T, NaN in the padding columns [V, Vp).
 template <class T>
@@ -216,13 +135,13 @@ void check_host_errors() {
 template <class T>
 void fused_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, std::int64_t Vp) {
   const cudaStream_t stream = context.compute();
-  const std::string tag = std::string("cross_entropy ") + name_of<T>() + " rows=" + std::to_string(rows) +
+  const std::string tag = std::string("cross_entropy ") + dtype_name<T>() + " rows=" + std::to_string(rows) +
                           " V=" + std::to_string(V) + " Vp=" + std::to_string(Vp);
   const std::string seed = std::to_string(rows) + "x" + std::to_string(V) + "x" + std::to_string(Vp);
   const auto logits = random_logits<T>(rows, V, Vp, "logits." + seed);
   const auto targets = random_targets(rows, V, "targets." + seed);
   const float dloss = 1.0f / static_cast<float>(rows);
-  const Tolerance tol = tolerance<T>();
+  const Tolerance tol = gpu_test::tolerance<T>(kFloatAtol);
 
   std::vector<T> dlogits_cpu = logits;
   std::vector<float> losses_cpu(rows);
@@ -255,10 +174,10 @@ void fused_case(const DeviceContext& context, std::int64_t rows, std::int64_t V,
     auto d_logits = upload(logits, stream);
     DeviceBuffer<float> d_losses(rows, stream);
     kernels::cross_entropy_forward<T>(stream, d_losses.data(), d_logits.data(), d_targets.data(), rows, V, Vp);
-    expect(bitwise_equal(download(d_losses), losses), tag + ": cross_entropy_forward = fused losses, bitwise");
-    expect(bitwise_equal(download(d_logits), logits), tag + ": cross_entropy_forward leaves the logits alone");
+    expect(same_bits(download(d_losses), losses), tag + ": cross_entropy_forward = fused losses, bitwise");
+    expect(same_bits(download(d_logits), logits), tag + ": cross_entropy_forward leaves the logits alone");
     const auto [dlogits2, losses2] = run(nullptr);
-    expect(bitwise_equal(dlogits2, dlogits) && bitwise_equal(losses2, losses), tag + ": bitwise reproducible");
+    expect(same_bits(dlogits2, dlogits) && same_bits(losses2, losses), tag + ": bitwise reproducible");
   }
 
   // Out-of-range targets: NaN loss and NaN dlogits on [0, V) for those rows (padding
@@ -294,7 +213,7 @@ void fused_case(const DeviceContext& context, std::int64_t rows, std::int64_t V,
 template <class T>
 void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, int slices) {
   const cudaStream_t stream = context.compute();
-  const std::string tag = std::string("vocab_parallel ") + name_of<T>() + " rows=" + std::to_string(rows) +
+  const std::string tag = std::string("vocab_parallel ") + dtype_name<T>() + " rows=" + std::to_string(rows) +
                           " V=" + std::to_string(V) + " slices=" + std::to_string(slices);
   const std::string seed = "vp." + std::to_string(rows) + "x" + std::to_string(V);
   const auto logits = random_logits<T>(rows, V, V, "logits." + seed);
@@ -353,7 +272,7 @@ void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::i
     const auto g = download(d_local[i]);
     for (std::int64_t r = 0; r < rows; ++r) std::copy_n(g.begin() + r * Vlocal, Vlocal, split.begin() + r * V + v0);
   }
-  const double grad_err = compare(split, full_dlogits, tolerance<T>(), tag + " dlogits");
+  const double grad_err = compare(split, full_dlogits, gpu_test::tolerance<T>(kFloatAtol), tag + " dlogits");
 
   // A negative target is seen by every rank: NaN target logit, loss and dlogits.
   {
@@ -395,22 +314,13 @@ void all_cases(const DeviceContext& context) {
 int main() {
   check_host_errors();
   if (llmpar::backend::cuda::device_count() == 0) {
-    std::printf("host-side checks %s; skipped: no CUDA device\n", failures ? "FAILED" : "passed");
-    return failures ? 1 : kSkip;
+    std::printf("host-side checks %s; skipped: no CUDA device\n", gpu_test::verdict());
+    return gpu_test::skip_exit_code();
   }
-  try {
+  return gpu_test::run_device_checks([] {
     DeviceContext context(0);
     all_cases<float>(context);
     all_cases<bf16>(context);
     all_cases<f16>(context);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: %s\n", e.what());
-    return 1;
-  }
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("passed\n");
-  return 0;
+  });
 }

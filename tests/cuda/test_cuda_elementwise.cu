@@ -38,6 +38,8 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/kernels/elementwise.cuh"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using llmpar::bf16;
@@ -45,63 +47,19 @@ using llmpar::f16;
 using llmpar::backend::cuda::DeviceBuffer;
 namespace kernels = llmpar::kernels;
 namespace cpu = llmpar::backend::cpu;
+namespace gpu_test = llmpar::gpu_test;
 
-constexpr int kSkip = 77;
-int failures = 0;
+using gpu_test::copy_out;
+using gpu_test::ErrorWording;
+using gpu_test::expect;
+using gpu_test::ExpectError;
+using gpu_test::ordered;
+using gpu_test::report;
+using gpu_test::same_bits;
+using gpu_test::to_f;
+using gpu_test::type_name;
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
-
-// fn() must throw llmpar::Error whose message contains `text`.
-template <class Fn>
-void expect_error(Fn fn, const char* text, const std::string& what) {
-  try {
-    fn();
-    expect(false, what + ": no error was thrown");
-  } catch (const llmpar::Error& e) {
-    if (std::strstr(e.what(), text) == nullptr) {
-      std::fprintf(stderr, "FAILED: %s: message \"%s\" lacks \"%s\"\n", what.c_str(), e.what(), text);
-      ++failures;
-    }
-  }
-}
-
-template <class T>
-const char* type_name() {
-  if constexpr (std::is_same_v<T, float>)
-    return "float";
-  else if constexpr (std::is_same_v<T, bf16>)
-    return "bf16";
-  else
-    return "f16";
-}
-
-template <class T>
-float to_f(T x) {
-  return llmpar::convert<float>(x);
-}
-
-// Position of x on the number line in ulps of T (adjacent values differ by 1).
-template <class T>
-std::int64_t ordered(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    const std::uint32_t u = llmpar::bits::of(x);
-    const std::int64_t magnitude = u & 0x7FFFFFFFu;
-    return (u >> 31) ? -magnitude : magnitude;
-  } else {
-    const std::int64_t magnitude = x.bits & 0x7FFFu;
-    return (x.bits >> 15) ? -magnitude : magnitude;
-  }
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
+constexpr ExpectError expect_error{ErrorWording::lacks};
 
 // got is want within 1 ulp of T (16-bit types), or within rel * |want| + abs in float.
 template <class T>
@@ -138,31 +96,13 @@ std::int64_t count_different_bits(const std::vector<T>& got, const std::vector<T
 // n values of scale * N(0, 1), rounded to T, from the stream named `seed`.
 template <class T>
 std::vector<T> random_vector(std::uint64_t seed, std::int64_t n, double scale) {
-  const llmpar::rng::Stream stream(seed);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i)
-    v[i] = llmpar::convert<T>(static_cast<float>(scale * stream.normal(static_cast<std::uint64_t>(i))));
-  return v;
+  return gpu_test::random_vector<T>(llmpar::rng::Stream(seed), n, scale);
 }
 
 template <class T>
 void copy_in(T* device, const std::vector<T>& host, cudaStream_t stream) {
   if (!host.empty())
     LLMPAR_CHECK_CUDA(cudaMemcpyAsync(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-}
-
-template <class T>
-std::vector<T> copy_out(const T* device, std::int64_t n, cudaStream_t stream) {
-  std::vector<T> host(static_cast<std::size_t>(n));
-  if (n > 0)
-    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host.data(), device, host.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
-  return host;
-}
-
-void report(bool ok, const std::string& line) {
-  std::printf("%-6s %s\n", ok ? "ok" : "FAIL", line.c_str());
-  expect(ok, line);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -494,17 +434,12 @@ void check_type(cudaStream_t stream) {
 }  // namespace
 
 int main() {
-  try {
-    host_checks();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: host checks: %s\n", e.what());
-    return 1;
-  }
+  if (!gpu_test::run_host_checks(host_checks, "host checks")) return 1;
   if (llmpar::backend::cuda::device_count() == 0) {
-    std::printf("host checks %s; skipped the device checks: no CUDA device\n", failures ? "FAILED" : "passed");
-    return failures ? 1 : kSkip;
+    std::printf("host checks %s; skipped the device checks: no CUDA device\n", gpu_test::verdict());
+    return gpu_test::skip_exit_code();
   }
-  try {
+  return gpu_test::run_device_checks([] {
     llmpar::backend::cuda::DeviceContext context(0);
     const cudaStream_t stream = context.compute();
     check_type<float>(stream);
@@ -518,14 +453,5 @@ int main() {
     check_convert<bf16, f16>(stream);
     check_convert<float, float>(stream);
     LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: %s\n", e.what());
-    return 1;
-  }
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("passed\n");
-  return 0;
+  });
 }

@@ -13,39 +13,21 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/math/activation.hpp"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using namespace llmpar;
 using namespace llmpar::backend::cuda;
 
-constexpr int kSkip = 77;
-int failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
-
-template <class T>
-std::vector<T> random_vector(std::int64_t n, std::uint64_t seed, float scale = 1.0f) {
-  const rng::Stream stream(seed);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = convert<T>(scale * static_cast<float>(stream.normal(static_cast<std::uint64_t>(i))));
-  return v;
-}
+using gpu_test::expect;
+using gpu_test::failures;
+using gpu_test::random_vector;
+using gpu_test::upload;
 
 template <class T>
 double value(const std::vector<T>& v, std::int64_t i) {
   return static_cast<double>(convert<float>(v[static_cast<std::size_t>(i)]));
-}
-
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer<T> d(host.size(), stream);
-  d.upload(host);
-  return d;
 }
 
 double gelu_grad(double x) { return math::gelu_tanh_grad(x); }
@@ -54,11 +36,11 @@ double gelu_grad(double x) { return math::gelu_tanh_grad(x); }
 template <class T>
 void check_case(Blas& blas, cudaStream_t stream, std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op,
                 double tolerance) {
-  const auto a = random_vector<T>(m * k, 1 + m * 7 + k);
-  const auto b = random_vector<T>(k * n, 2 + n * 5 + k);
-  const auto c0 = random_vector<T>(m * n, 3 + m + n);
-  const auto bias = random_vector<T>(std::max(m, n), 4 + n);
-  const auto aux_in = random_vector<T>(m * n, 5 + m * n);  // dgelu's saved input
+  const auto a = random_vector<T>(rng::Stream(1 + m * 7 + k), m * k);
+  const auto b = random_vector<T>(rng::Stream(2 + n * 5 + k), k * n);
+  const auto c0 = random_vector<T>(rng::Stream(3 + m + n), m * n);
+  const auto bias = random_vector<T>(rng::Stream(4 + n), std::max(m, n));
+  const auto aux_in = random_vector<T>(rng::Stream(5 + m * n), m * n);  // dgelu's saved input
   auto d_a = upload(a, stream);
   auto d_b = upload(b, stream);
   auto d_c = upload(c0, stream);
@@ -145,7 +127,7 @@ void check_type(Blas& blas, cudaStream_t stream, double tolerance) {
 int main() {
   if (device_count() == 0) {
     std::printf("skipped: no CUDA device\n");
-    return failures ? 1 : kSkip;
+    return gpu_test::skip_exit_code();
   }
   try {
     DeviceContext context(0);

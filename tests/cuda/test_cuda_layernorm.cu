@@ -28,6 +28,8 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/kernels/layernorm.cuh"
 
+#include "gpu_test.hpp"
+
 namespace {
 
 using llmpar::bf16;
@@ -36,40 +38,23 @@ namespace cpu = llmpar::backend::cpu;
 namespace kernels = llmpar::kernels;
 using llmpar::backend::cuda::DeviceBuffer;
 using llmpar::backend::cuda::DeviceContext;
+namespace gpu_test = llmpar::gpu_test;
 
-constexpr int kSkip = 77;
 constexpr std::uint64_t kSeed = 20240611;
-int failures = 0;
+// The atol of float in the per-storage-type tolerance (gpu_test::tolerance).
+constexpr double kFloatAtol = 2e-6;
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
-}
+using gpu_test::compare;
+using gpu_test::download;
+using gpu_test::dtype_name;
+using gpu_test::ErrorWording;
+using gpu_test::expect;
+using gpu_test::ExpectError;
+using gpu_test::same_bits;
+using gpu_test::Tolerance;
+using gpu_test::upload;
 
-// f() must throw llmpar::Error whose message contains `needle`.
-template <class F>
-void expect_error(F&& f, const char* needle, const std::string& what) {
-  try {
-    f();
-    expect(false, what + ": should throw");
-  } catch (const llmpar::Error& e) {
-    const bool found = std::strstr(e.what(), needle) != nullptr;
-    if (!found) std::fprintf(stderr, "  message was: %s\n", e.what());
-    expect(found, what + ": message names \"" + needle + "\"");
-  }
-}
-
-template <class T>
-const char* name_of() {
-  if constexpr (std::is_same_v<T, float>)
-    return "f32";
-  else if constexpr (std::is_same_v<T, bf16>)
-    return "bf16";
-  else
-    return "f16";
-}
+constexpr ExpectError expect_error{ErrorWording::names};
 
 std::vector<float> random_normal(std::int64_t n, const std::string& name, double stddev = 1.0, double mean = 0.0) {
   const auto stream = llmpar::rng::Stream::named(kSeed, name);
@@ -91,67 +76,6 @@ std::vector<float> widen(const std::vector<T>& v) {
   std::vector<float> out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) out[i] = llmpar::convert<float>(v[i]);
   return out;
-}
-
-template <class T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-// Per storage type: |got - want| <= rtol |want| + atol max|want|. A GPU and a CPU float
-// computation of the same formula differ in their last float bits (summation order,
-// FMA contraction, expf); rounded to bf16/f16 that is at most an ulp or two of the
-// storage type, which rtol allows (bf16 ulp = 2^-7 relative at most, f16 2^-10).
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance tolerance() {
-  if constexpr (std::is_same_v<T, float>)
-    return {1e-5, 2e-6};
-  else if constexpr (std::is_same_v<T, bf16>)
-    return {1.0 / 128.0, 1e-5};
-  else
-    return {1.0 / 1024.0, 1e-5};
-}
-
-// Checks got against want; returns the largest error relative to max|want|.
-template <class A, class B>
-double compare(const std::vector<A>& got, const std::vector<B>& want, Tolerance tol, const std::string& what) {
-  if (got.size() != want.size()) {
-    expect(false, what + ": sizes differ");
-    return 1.0;
-  }
-  double scale = 0.0;
-  for (const B& w : want) scale = std::max(scale, std::fabs(static_cast<double>(llmpar::convert<float>(w))));
-  double worst = 0.0;
-  std::size_t bad = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double g = llmpar::convert<float>(got[i]);
-    const double w = llmpar::convert<float>(want[i]);
-    const double err = std::fabs(g - w);
-    worst = std::max(worst, scale > 0 ? err / scale : err);
-    if (!(err <= tol.rtol * std::fabs(w) + tol.atol * scale)) {
-      if (++bad <= 3) std::fprintf(stderr, "  %s[%zu]: got %.9g, want %.9g\n", what.c_str(), i, g, w);
-    }
-  }
-  expect(bad == 0, what + " within tolerance (" + std::to_string(bad) + " elements off)");
-  return worst;
-}
-
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer<T> buffer(host.size(), stream);
-  buffer.upload(host);
-  return buffer;
-}
-
-template <class T>
-std::vector<T> download(const DeviceBuffer<T>& buffer) {
-  std::vector<T> host(buffer.size());
-  buffer.download(host);
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(buffer.stream()));
-  return host;
 }
 
 // The same values at an address 2 bytes past a 16-byte boundary: forces the element path.
@@ -281,11 +205,11 @@ void norm_case(const DeviceContext& context, Kind kind, std::int64_t rows, std::
   const cudaStream_t stream = context.compute();
   const bool layer = kind == Kind::layer || kind == Kind::residual_layer;
   const bool residual = kind == Kind::residual_layer || kind == Kind::residual_rms;
-  const std::string tag =
-      std::string(name_of(kind)) + " " + name_of<T>() + " rows=" + std::to_string(rows) + " C=" + std::to_string(C);
+  const std::string tag = std::string(name_of(kind)) + " " + dtype_name<T>() + " rows=" + std::to_string(rows) +
+                          " C=" + std::to_string(C);
   const std::string seed = std::to_string(rows) + "x" + std::to_string(C);
   const std::int64_t n = rows * C;
-  const Tolerance tol = tolerance<T>();
+  const Tolerance tol = gpu_test::tolerance<T>(kFloatAtol);
 
   const auto a = round_to<T>(random_normal(n, "a." + seed, 2.0, 0.5));
   const auto b = round_to<T>(random_normal(n, "b." + seed));
@@ -329,7 +253,7 @@ void norm_case(const DeviceContext& context, Kind kind, std::int64_t rows, std::
   const auto out_gpu = download(d_out);
   const auto rstd_gpu = download(d_rstd);
   const auto mean_gpu = download(d_mean);
-  if (residual) expect(bitwise_equal(download(d_sum), x), tag + ": sum is T(a + b), bit for bit");
+  if (residual) expect(same_bits(download(d_sum), x), tag + ": sum is T(a + b), bit for bit");
   const double out_err = compare(out_gpu, out_cpu, tol, tag + " out");
   compare(rstd_gpu, rstd_cpu, {1e-5, 0.0}, tag + " rstd");
   if (layer) {
@@ -348,13 +272,13 @@ void norm_case(const DeviceContext& context, Kind kind, std::int64_t rows, std::
     DeviceBuffer<float> d_mean2(rows, stream), d_rstd2(rows, stream);
     gpu_forward<T>(stream, kind, d_sum2.data(), d_out2.data(), d_mean2.data(), d_rstd2.data(), d_a.data(), d_b.data(),
                    d_w.data(), d_bias.data(), rows, C);
-    expect(bitwise_equal(download(d_out2), out_gpu) && bitwise_equal(download(d_rstd2), rstd_gpu),
+    expect(same_bits(download(d_out2), out_gpu) && same_bits(download(d_rstd2), rstd_gpu),
            tag + ": forward is bitwise reproducible");
     Misaligned<T> a_odd(a, stream);
     DeviceBuffer<T> d_sum3(residual ? n : 0, stream), d_out3(n, stream);
     gpu_forward<T>(stream, kind, d_sum3.data(), d_out3.data(), nullptr, nullptr, a_odd.get(), d_b.data(), d_w.data(),
                    d_bias.data(), rows, C);
-    expect(bitwise_equal(download(d_out3), out_gpu), tag + ": element path (misaligned x) = vector path, bitwise");
+    expect(same_bits(download(d_out3), out_gpu), tag + ": element path (misaligned x) = vector path, bitwise");
   }
 
   // GPU backward, from the GPU's own statistics on the stored x (the sum for residual).
@@ -373,17 +297,17 @@ void norm_case(const DeviceContext& context, Kind kind, std::int64_t rows, std::
   const double dx_err = compare(over[0], dx_want, tol, tag + " dx");
   const double dw_err = compare(over[1], dw_want, tol, tag + " dweight");
   if (layer) compare(over[2], db_want, tol, tag + " dbias");
-  if (!layer) expect(bitwise_equal(over[2], db0), tag + ": rmsnorm leaves dbias alone");
+  if (!layer) expect(same_bits(over[2], db0), tag + ": rmsnorm leaves dbias alone");
   const auto acc = backward(true, d_dout.data());
   const double acc_err = compare(acc[0], dx_acc_want, tol, tag + " dx accumulated");
-  expect(bitwise_equal(acc[1], over[1]) && bitwise_equal(acc[2], over[2]),
+  expect(same_bits(acc[1], over[1]) && same_bits(acc[2], over[2]),
          tag + ": accumulate_dx does not change dweight/dbias");
   const auto again = backward(false, d_dout.data());
-  expect(bitwise_equal(again[0], over[0]) && bitwise_equal(again[1], over[1]) && bitwise_equal(again[2], over[2]),
+  expect(same_bits(again[0], over[0]) && same_bits(again[1], over[1]) && same_bits(again[2], over[2]),
          tag + ": backward (dx, dweight, dbias) is bitwise reproducible");
   Misaligned<T> dout_odd(dout, stream);
   const auto odd = backward(false, dout_odd.get());
-  expect(bitwise_equal(odd[0], over[0]) && bitwise_equal(odd[1], over[1]) && bitwise_equal(odd[2], over[2]),
+  expect(same_bits(odd[0], over[0]) && same_bits(odd[1], over[1]) && same_bits(odd[2], over[2]),
          tag + ": backward element path (misaligned dout) = vector path, bitwise");
 
   std::printf("%-48s out %.2e  dx %.2e  dx+= %.2e  dweight %.2e\n", tag.c_str(), out_err, dx_err, acc_err, dw_err);
@@ -449,24 +373,15 @@ void all_cases(const DeviceContext& context) {
 int main() {
   check_host_errors();
   if (llmpar::backend::cuda::device_count() == 0) {
-    std::printf("host-side checks %s; skipped: no CUDA device\n", failures ? "FAILED" : "passed");
-    return failures ? 1 : kSkip;
+    std::printf("host-side checks %s; skipped: no CUDA device\n", gpu_test::verdict());
+    return gpu_test::skip_exit_code();
   }
-  try {
+  return gpu_test::run_device_checks([] {
     DeviceContext context(0);
     all_cases<float>(context);
     all_cases<bf16>(context);
     all_cases<f16>(context);
     large_mean_case(context, 64, 1600);
     large_mean_case(context, 33, 771);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "FAILED: %s\n", e.what());
-    return 1;
-  }
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("passed\n");
-  return 0;
+  });
 }

@@ -77,12 +77,11 @@ namespace detail {
 // Gradients that live only while one block's backward runs; shared by all blocks.
 template <class T, class Space>
 struct BlockScratch {
-  Buffer<T, Space> wide0, wide1;  // (rows, 4C)
+  Buffer<T, Space> wide0;  // (rows, 4C)
   Buffer<T, Space> qkv;           // (rows, 3C)
   Buffer<T, Space> c0, c1;        // (rows, C)
   void reserve(std::int64_t rows, std::int64_t dim) {
     wide0.reserve(rows * 4 * dim);
-    wide1.reserve(rows * 4 * dim);
     qkv.reserve(rows * 3 * dim);
     c0.reserve(rows * dim);
     c1.reserve(rows * dim);
@@ -120,8 +119,7 @@ class GPT2Block {
     proj_.forward(ctx, x_mid_.data(), att_out_.data(), rows);
     Backend::add_inplace(ctx, x_mid_.data(), x, rows * C);
     ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), rows);
-    fc_.forward(ctx, fc_out_.data(), ln2_out_.data(), rows);
-    Backend::gelu_forward(ctx, gelu_out_.data(), fc_out_.data(), rows * 4 * C);
+    fc_.forward_gelu(ctx, gelu_out_.data(), fc_out_.data(), ln2_out_.data(), rows);
     fc_proj_.forward(ctx, out, gelu_out_.data(), rows);
     Backend::add_inplace(ctx, out, x_mid_.data(), rows * C);
   }
@@ -130,9 +128,8 @@ class GPT2Block {
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
                 detail::BlockScratch<T, Space>& s) {
     const std::int64_t rows = batch * seq, C = dim_;
-    fc_proj_.backward(ctx, s.wide0.data(), dout, gelu_out_.data(), rows);
-    Backend::gelu_backward(ctx, s.wide1.data(), fc_out_.data(), s.wide0.data(), rows * 4 * C);
-    fc_.backward(ctx, s.c0.data(), s.wide1.data(), ln2_out_.data(), rows);
+    fc_proj_.backward_through_gelu(ctx, s.wide0.data(), dout, gelu_out_.data(), fc_out_.data(), rows);
+    fc_.backward(ctx, s.c0.data(), s.wide0.data(), ln2_out_.data(), rows);
     T* dx_mid = s.c1.data();
     ln2_.backward(ctx, dx_mid, s.c0.data(), x_mid_.data(), rows);
     Backend::add_inplace(ctx, dx_mid, dout, rows * C);  // the residual path
@@ -282,7 +279,7 @@ class GPT2 {
   // Bytes of activations and activation gradients currently allocated.
   std::size_t activation_bytes() const {
     std::size_t n = residual_.bytes() + lnf_out_.bytes() + logits_.bytes() + losses_.bytes() + dres_[0].bytes() +
-                    dres_[1].bytes() + scratch_.wide0.bytes() + scratch_.wide1.bytes() + scratch_.qkv.bytes() +
+                    dres_[1].bytes() + scratch_.wide0.bytes() + scratch_.qkv.bytes() +
                     scratch_.c0.bytes() + scratch_.c1.bytes() + lnf_.activation_bytes();
     for (const auto& b : blocks_) n += b.activation_bytes();
     return n;

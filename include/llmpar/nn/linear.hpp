@@ -36,12 +36,24 @@ class Linear {
                               {.trans_a = false, .trans_b = true, .accumulate = false});
   }
 
+  // pre (rows, out) = x · Wᵀ + b and act = gelu(pre): this layer followed by a GELU, in
+  // one GEMM where the backend can fuse it (cuBLASLt's epilogue).
+  void forward_gelu(typename Backend::Context& ctx, T* act, T* pre, const T* x, std::int64_t rows) const {
+    Backend::linear_gelu_forward(ctx, act, pre, x, weight_.value, has_bias_ ? bias_.value : nullptr, rows, out_, in_);
+  }
+
+  // The backward of this layer when its input x was gelu(pre): dpre (rows, in) =
+  // (dy · W) * gelu'(pre), fused where the backend can; dW += dyᵀ · x; db += Σ dy.
+  void backward_through_gelu(typename Backend::Context& ctx, T* dpre, const T* dy, const T* x, const T* pre,
+                             std::int64_t rows) {
+    Backend::linear_dgelu_backward(ctx, dpre, dy, weight_.value, pre, rows, in_, out_);
+    weight_bias_backward(ctx, dy, x, rows);
+  }
+
   // dx (rows, in) = dy · W (skipped when dx is null); dW (out, in) += dyᵀ · x; db += Σ dy.
   void backward(typename Backend::Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
     if (dx != nullptr) Backend::template gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});
-    Backend::template gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
-                              {.trans_a = true, .trans_b = false, .accumulate = true});
-    if (has_bias_) Backend::bias_backward(ctx, bias_.grad, dy, rows, out_);
+    weight_bias_backward(ctx, dy, x, rows);
   }
 
   template <class Visit>
@@ -55,6 +67,13 @@ class Linear {
   Parameter<T>& weight() { return weight_; }
 
  private:
+  // dW (out, in) += dyᵀ · x; db += Σ_rows dy.
+  void weight_bias_backward(typename Backend::Context& ctx, const T* dy, const T* x, std::int64_t rows) {
+    Backend::template gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
+                              {.trans_a = true, .trans_b = false, .accumulate = true});
+    if (has_bias_) Backend::bias_backward(ctx, bias_.grad, dy, rows, out_);
+  }
+
   std::int64_t in_, out_;
   bool has_bias_;
   Parameter<T> weight_;  // (out, in)

@@ -44,6 +44,21 @@ struct Cpu {
                    std::int64_t k, GemmOp op) {
     cpu::gemm<T>(ctx, c, a, b, bias, m, n, k, op);
   }
+  // pre (M,N) = x·Wᵀ + bias, act = gelu(pre): a Linear followed by GELU.
+  template <class T>
+  static void linear_gelu_forward(Context& ctx, T* act, T* pre, const T* x, const T* weight, const T* bias,
+                                  std::int64_t m, std::int64_t n, std::int64_t k) {
+    cpu::gemm<T>(ctx, pre, x, weight, bias, m, n, k, {.trans_a = false, .trans_b = true, .accumulate = false});
+    cpu::gelu_forward(act, pre, m * n);
+  }
+  // dpre (M,N) = (dy (M,K) · W (K,N)) * gelu'(pre): the input gradient of a Linear whose
+  // input was gelu(pre), carried back through the GELU.
+  template <class T>
+  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre,
+                                    std::int64_t m, std::int64_t n, std::int64_t k) {
+    cpu::gemm<T>(ctx, dpre, dy, weight, nullptr, m, n, k, {});
+    cpu::gelu_backward(dpre, pre, dpre, m * n);
+  }
   template <class T>
   static void layernorm_forward(Context&, T* out, Acc<T>* mean, Acc<T>* rstd, const T* x, const T* weight,
                                 const T* bias, std::int64_t rows, std::int64_t C, float eps) {

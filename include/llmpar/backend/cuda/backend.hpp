@@ -154,6 +154,24 @@ struct Cuda {
     if (bias != nullptr && op.epilogue == cuda::Epilogue::none) op.epilogue = cuda::Epilogue::bias;
     ctx.blas().gemm<T>(ctx.stream(), c, a, b, bias, nullptr, m, n, k, op);
   }
+  // pre (M,N) = x·Wᵀ + bias, act = gelu(pre), in one GEMM (cuBLASLt's GELU_AUX_BIAS
+  // epilogue writes pre as its aux output).
+  template <class T>
+  static void linear_gelu_forward(Context& ctx, T* act, T* pre, const T* x, const T* weight, const T* bias,
+                                  std::int64_t m, std::int64_t n, std::int64_t k) {
+    const cuda::GemmOp op{.trans_a = false,
+                          .trans_b = true,
+                          .accumulate = false,
+                          .epilogue = bias != nullptr ? cuda::Epilogue::gelu_aux_bias : cuda::Epilogue::gelu_aux};
+    ctx.blas().gemm<T>(ctx.stream(), act, x, weight, bias, pre, m, n, k, op);
+  }
+  // dpre (M,N) = (dy (M,K) · W (K,N)) * gelu'(pre), in one GEMM (the DGELU epilogue).
+  template <class T>
+  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre,
+                                    std::int64_t m, std::int64_t n, std::int64_t k) {
+    ctx.blas().gemm<T>(ctx.stream(), dpre, dy, weight, nullptr, pre, m, n, k,
+                       {.trans_a = false, .trans_b = false, .accumulate = false, .epilogue = cuda::Epilogue::dgelu});
+  }
   template <class T>
   static void layernorm_forward(Context& ctx, T* out, float* mean, float* rstd, const T* x, const T* weight,
                                 const T* bias, std::int64_t rows, std::int64_t C, float eps) {
