@@ -1,5 +1,6 @@
 // bench_train_step — one full training step of GPT-2 124M in fp32 on the CPU
-// (forward, backward, AdamW), at B=4, T=64 by default, and its parts.
+// (forward, backward, AdamW), at B=4, T=64 by default, and its parts; and the step of a
+// small GPT split over tp = 1, 2, 4 tensor-parallel thread ranks (gpt_small/train_step_tp).
 //
 // MFU is reported as model FLOPs (6N + 6·L·C·T per token, the llm.c convention) over
 // the sgemm peak measured at the start of this same run, so the figure is relative to
@@ -7,6 +8,9 @@
 // benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
 #include <benchmark/benchmark.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <llmpar/llmpar.hpp>
@@ -97,6 +101,66 @@ void register_all(double peak_gflops) {
       ->Iterations(6);
 }
 
+// One training step of a small GPT (L=4, H=8, C=512, T=128, B=8) with its blocks split
+// over tp thread ranks (ThreadComm), each rank with its share of the OpenMP threads:
+// the cost of tensor parallelism's all-reduces against the serial step.
+void register_tensor_parallel(double peak_gflops) {
+  auto run = [peak_gflops](benchmark::State& state) {
+    const int tp = static_cast<int>(state.range(0));
+    const models::GPT2Config cfg{.layers = 4, .heads = 8, .dim = 512, .max_seq = 128, .vocab = 256,
+                                 .padded_vocab = 256};
+    const std::int64_t B = 8, T = 128;
+    std::vector<std::int32_t> tokens, targets;
+    const auto stream = rng::Stream::named(1, "bench tokens");
+    for (std::int64_t i = 0; i <= B * T; ++i)
+      tokens.push_back(static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % cfg.vocab));
+    targets.assign(tokens.begin() + 1, tokens.end());
+    tokens.pop_back();
+    double seconds = 0.0, flops = 0.0;
+    const int iterations = 4;
+    comm::ThreadOptions options;
+    options.omp_threads_per_rank = std::max(1, omp_get_max_threads() / tp);
+    comm::run_threads(
+        tp,
+        [&](comm::ThreadComm& thread_world) {
+          comm::Comm world(std::move(thread_world));
+          backend::cpu::Context ctx;
+          models::GPT2<float> model(cfg, 1337, nn::TensorParallelGroup(&world));
+          optim::AdamW<float> opt(model.parameter_store(), optim::AdamWConfig{});
+          opt.set_model_parallel(model.tensor_parallel());
+          auto step = [&] {
+            model.zero_grad();
+            model.forward(ctx, tokens.data(), targets.data(), B, T);
+            model.backward(ctx);
+            opt.step(1e-4f);
+          };
+          step();  // warm-up: buffers and GEMM primitives
+          world.barrier();
+          const double s = timed([&] {
+            for (int i = 0; i < iterations; ++i) step();
+            world.barrier();
+          });
+          if (world.rank() == 0) {
+            seconds = s;
+            flops = train::flops_per_token(model.num_parameters(), cfg.layers, cfg.dim, T) * static_cast<double>(B * T);
+          }
+        },
+        options);
+    for (auto _ : state) state.SetIterationTime(seconds / iterations);
+    const double per_step = seconds / iterations;
+    state.counters["ms/step"] = 1e3 * per_step;
+    state.counters["tokens/s"] = static_cast<double>(B * T) / per_step;
+    state.counters["MFU"] = flops / per_step / (peak_gflops * 1e9);
+  };
+  benchmark::RegisterBenchmark("gpt_small/train_step_tp", run)
+      ->Arg(1)
+      ->Arg(2)
+      ->Arg(4)
+      ->Unit(benchmark::kMillisecond)
+      ->UseManualTime()
+      ->Iterations(1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,6 +173,7 @@ int main(int argc, char** argv) {
   std::printf("measured sgemm peak: %.1f GFLOP/s (oneDNN, square 1536, best of 4)\n", peak);
   benchmark::AddCustomContext("sgemm_peak_gflops", std::to_string(peak));
   register_all(peak);
+  register_tensor_parallel(peak);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

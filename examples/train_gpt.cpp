@@ -96,6 +96,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", o.backend, "Where to train: cpu, or cuda (one GPU per rank; CUDA builds)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--tp", o.tp, "Tensor-parallel degree: split every block's heads and MLP over this many ranks")
+      ->capture_default_str();
   app.add_flag("--tf32", o.tf32, "CUDA: fp32 GEMMs on TF32 tensor cores (faster, 10-bit mantissa products)");
   app.footer(
       "Ranks (read before the options above):\n"

@@ -39,6 +39,7 @@ struct Options {
   double peak_gflops = 0.0;
   std::string backend = "cpu";
   bool tf32 = false;
+  int tp = 1;  // tensor-parallel degree; the other ranks replicate (data parallel)
 };
 
 // The validation pattern llm.c uses: the train pattern with "train" replaced by "val".
@@ -89,26 +90,33 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
                 static_cast<long long>(train_set->num_tokens()), train_set->num_shards(),
                 static_cast<long long>(val_set->num_tokens()));
   }
+  // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
+  // read different rows of the batch.
+  LLMPAR_CHECK(o.tp >= 1 && world.size() % o.tp == 0, "--tp ", o.tp, " does not divide the ", world.size(),
+               " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
+  comm::Grid grid(world, {.tp = o.tp});
+  const nn::TensorParallelGroup tp(&grid.tp());
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
   train_lc.seed = o.seed;
-  train_lc.rank = world.rank();
-  train_lc.world = world.size();
+  train_lc.rank = grid.dp().rank();
+  train_lc.world = grid.dp().size();
   data::LoaderConfig val_lc = lc;
-  val_lc.rank = world.rank();
-  val_lc.world = world.size();
+  val_lc.rank = grid.dp().rank();
+  val_lc.world = grid.dp().size();
   data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, val_lc);
 
-  models::GPT2<float, B> model(cfg, o.seed);
+  models::GPT2<float, B> model(cfg, o.seed, tp);
   say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
               static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
               static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
               static_cast<double>(model.num_parameters()) * 1e-6);
-  say("train: %lld steps, %d rank%s (%s) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
+  say("train: %lld steps, %d rank%s (%s; tp %d x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
       "%s backend, MFU against a peak of %.1f GFLOP/s\n",
       static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "", std::string(world.engine_name()).c_str(),
+      grid.tp().size(), grid.dp().size(),
       static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
       static_cast<double>(o.lr), static_cast<long long>(warmup), B::kName, peak);
 
@@ -123,6 +131,7 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
                  {"padded_vocab", cfg.padded_vocab},
                  {"parameters", model.num_parameters()},
                  {"ranks", world.size()},
+                 {"tp", o.tp},
                  {"batch", o.batch},
                  {"grad_accum", o.grad_accum},
                  {"steps", o.steps},
@@ -137,7 +146,7 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
   train::Trainer<models::GPT2<float, B>> trainer(ctx, model, opt, schedule, train_loader,
                                               {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak},
-                                              &world);
+                                              &grid.dp());
   // Never count a validation batch twice: at most one pass over the validation data.
   const std::int64_t eval_batches = std::min(o.eval_batches, val_loader.batches_per_epoch());
   auto run_eval = [&](std::int64_t step) {

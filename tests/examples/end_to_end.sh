@@ -9,7 +9,8 @@
 #   corrupt-shard a text file passed as a shard names the file and the wrong magic
 #   bad-config    a dim that heads does not divide names both values
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
-#                 losses step by step (replicas average gradients); bad --ranks is named
+#                 losses step by step (replicas average gradients); so does --ranks 2 --tp 2
+#                 --batch 8 (each block split over 2 ranks); bad --ranks and --tp are named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative (fp32 on both; different kernels sum in different
@@ -65,11 +66,14 @@ case "$case" in
     "$bin/train_gpt" "${common[@]}" --batch 8 --metrics one.jsonl | tee one.txt
     if [[ "$case" == ranks ]]; then
       "$bin/train_gpt" "${common[@]}" --ranks 2 --batch 4 --metrics two.jsonl | tee two.txt
-      grep -q '2 ranks (thread)' two.txt || fail "train_gpt --ranks 2 did not run two thread ranks"
+      grep -q '2 ranks (thread; tp 1 x dp 2)' two.txt || fail "train_gpt --ranks 2 did not run two thread ranks"
+      # Tensor parallel: 2 ranks split every block and see the whole batch of 8.
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --tp 2 --batch 8 --metrics tp.jsonl | tee tp.txt
+      grep -q '2 ranks (thread; tp 2 x dp 1)' tp.txt || fail "train_gpt --ranks 2 --tp 2 did not split over tp 2"
     else
       read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
       "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --batch 4 --metrics two.jsonl | tee two.txt
-      grep -q '2 ranks (mpi)' two.txt || fail "mpirun -np 2 train_gpt did not run two MPI ranks"
+      grep -q '2 ranks (mpi; tp 1 x dp 2)' two.txt || fail "mpirun -np 2 train_gpt did not run two MPI ranks"
     fi
     losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
     [[ $(losses one.jsonl | wc -l) == 5 ]] || fail "one.jsonl lacks 5 step losses"
@@ -78,6 +82,15 @@ case "$case" in
         d = $1 - $2; if (d < 0) d = -d
         if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (2 ranks)"; bad = 1 }
       } END { exit bad }' || fail "2 ranks did not reproduce the 1-rank losses"
+    if [[ "$case" == ranks ]]; then
+      paste <(losses one.jsonl) <(losses tp.jsonl) | awk '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (tp 2)"; bad = 1 }
+        } END { exit bad }' || fail "tp 2 did not reproduce the 1-rank losses"
+      expect_error "--tp 3 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 3
+      expect_error "heads (4) is not divisible by the tensor-parallel degree 8" "$bin/train_gpt" --ranks 8 --tp 8 \
+        --steps 1
+    fi
     val1=$(grep 'val loss' one.txt | tail -1 | awk '{print $NF}')
     val2=$(grep 'val loss' two.txt | tail -1 | awk '{print $NF}')
     awk -v a="$val1" -v b="$val2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-4 * a) }' ||

@@ -31,6 +31,7 @@
 #include "llmpar/nn/layernorm.hpp"
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/tensor_parallel.hpp"
 
 namespace llmpar::models {
 
@@ -97,17 +98,22 @@ class GPT2Block {
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
 
-  GPT2Block(const std::string& name, const GPT2Config& cfg)
+  // tp: the tensor-parallel group the block is split over (default: none). Attention
+  // splits its heads (q, k, v of heads/tp heads per rank; c_proj row-parallel), the MLP
+  // its hidden size (c_fc column-parallel, c_proj row-parallel); the LayerNorms and the
+  // residual stream are whole on every rank.
+  GPT2Block(const std::string& name, const GPT2Config& cfg, nn::TensorParallelGroup tp = {})
       : dim_(cfg.dim),
-        heads_(cfg.heads),
+        heads_((tp.check_divides(cfg.heads, "heads"), cfg.heads / tp.size())),
+        local_dim_(cfg.dim / tp.size()),
         ln1_(name + ".ln_1", cfg.dim),
-        qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.init_std),
+        qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.init_std, tp, 3),
         proj_(name + ".attn.c_proj", cfg.dim, cfg.dim, true,
-              cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))),
+              cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp),
         ln2_(name + ".ln_2", cfg.dim),
-        fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std),
+        fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std, tp),
         fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
-                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers))) {}
+                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {}
 
   // out (B, S, C) = block(x (B, S, C)); keeps what backward needs.
   void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
@@ -115,7 +121,7 @@ class GPT2Block {
     reserve(batch, seq);
     ln1_.forward(ctx, ln1_out_.data(), x, rows);
     qkv_.forward(ctx, qkv_out_.data(), ln1_out_.data(), rows);
-    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, C, heads_);
+    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, local_dim_, heads_);
     proj_.forward(ctx, x_mid_.data(), att_out_.data(), rows);
     Backend::add_inplace(ctx, x_mid_.data(), x, rows * C);
     ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), rows);
@@ -135,10 +141,18 @@ class GPT2Block {
     Backend::add_inplace(ctx, dx_mid, dout, rows * C);  // the residual path
     proj_.backward(ctx, s.c0.data(), dx_mid, att_out_.data(), rows);
     Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
-                                seq, C, heads_);
+                                seq, local_dim_, heads_);
     qkv_.backward(ctx, s.c0.data(), s.qkv.data(), ln1_out_.data(), rows);
     ln1_.backward(ctx, dx, s.c0.data(), x, rows);
     Backend::add_inplace(ctx, dx, dx_mid, rows * C);  // the residual path
+  }
+
+  // The Layer concept's backward (nn/layer.hpp): the same, with a scratch this block
+  // owns, allocated on first use; GPT2 itself passes its shared scratch to the overload
+  // above.
+  void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
+    own_scratch_.reserve(batch * seq, dim_);
+    backward(ctx, dx, dout, x, batch, seq, own_scratch_);
   }
 
   template <class Visit>
@@ -158,31 +172,36 @@ class GPT2Block {
 
  private:
   void reserve(std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_;
+    const std::int64_t rows = batch * seq, C = dim_, Cl = local_dim_;
     ln1_out_.reserve(rows * C);
-    qkv_out_.reserve(rows * 3 * C);
-    att_out_.reserve(rows * C);
+    qkv_out_.reserve(rows * 3 * Cl);
+    att_out_.reserve(rows * Cl);
     lse_.reserve(batch * heads_ * seq);
     x_mid_.reserve(rows * C);
     ln2_out_.reserve(rows * C);
-    fc_out_.reserve(rows * 4 * C);
-    gelu_out_.reserve(rows * 4 * C);
+    fc_out_.reserve(rows * 4 * Cl);
+    gelu_out_.reserve(rows * 4 * Cl);
   }
 
-  std::int64_t dim_, heads_;
+  std::int64_t dim_;
+  std::int64_t heads_;      // this rank's heads: NH / tp
+  std::int64_t local_dim_;  // this rank's attention channels and a quarter of its MLP width: C / tp
   nn::LayerNorm<T, Backend> ln1_;
-  nn::Linear<T, Backend> qkv_, proj_;
+  nn::ColumnParallelLinear<T, Backend> qkv_;
+  nn::RowParallelLinear<T, Backend> proj_;
   nn::LayerNorm<T, Backend> ln2_;
-  nn::Linear<T, Backend> fc_, fc_proj_;
-  // Activations kept for backward.
+  nn::ColumnParallelLinear<T, Backend> fc_;
+  nn::RowParallelLinear<T, Backend> fc_proj_;
+  // Activations kept for backward (Cl = C / tp).
   Buffer<T, Space> ln1_out_;   // (B, S, C)
-  Buffer<T, Space> qkv_out_;   // (B, S, 3C)
-  Buffer<T, Space> att_out_;   // (B, S, C)
-  Buffer<Acc, Space> lse_;     // (B, NH, S)
+  Buffer<T, Space> qkv_out_;   // (B, S, 3Cl)
+  Buffer<T, Space> att_out_;   // (B, S, Cl)
+  Buffer<Acc, Space> lse_;     // (B, NH/tp, S)
   Buffer<T, Space> x_mid_;     // (B, S, C)  residual after attention
   Buffer<T, Space> ln2_out_;   // (B, S, C)
-  Buffer<T, Space> fc_out_;    // (B, S, 4C)
-  Buffer<T, Space> gelu_out_;  // (B, S, 4C)
+  Buffer<T, Space> fc_out_;    // (B, S, 4Cl)
+  Buffer<T, Space> gelu_out_;  // (B, S, 4Cl)
+  detail::BlockScratch<T, Space> own_scratch_;  // only for the 6-argument backward
 };
 
 template <class T, class Backend = backend::Cpu>
@@ -193,11 +212,14 @@ class GPT2 {
   using Space = typename Backend::Space;
   using BackendTag = Backend;
 
-  GPT2(const GPT2Config& cfg, std::uint64_t seed) : cfg_(cfg), lnf_((cfg.validate(), "ln_f"), cfg.dim) {
+  // tp: the tensor-parallel group the blocks are split over (default: none); the
+  // embeddings, the LM head and the loss are whole on every rank of it.
+  GPT2(const GPT2Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
+      : cfg_(cfg), tp_(tp), lnf_((cfg.validate(), "ln_f"), cfg.dim) {
     wte_ = nn::Parameter<T>("wte", {cfg.padded_vocab, cfg.dim}, nn::Init::normal(cfg.init_std), true);
     wpe_ = nn::Parameter<T>("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
-    for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg);
+    for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg, tp);
     store_.bind(*this);
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
@@ -273,8 +295,10 @@ class GPT2 {
   }
 
   nn::ParameterStore<T, Space>& parameter_store() { return store_; }
+  nn::TensorParallelGroup tensor_parallel() const { return tp_; }
   const GPT2Config& config() const { return cfg_; }
-  std::int64_t num_parameters() const { return store_.numel(); }
+  // Parameters of the whole model (not this rank's share of a split one).
+  std::int64_t num_parameters() const { return store_.full_numel(); }
 
   // Bytes of activations and activation gradients currently allocated.
   std::size_t activation_bytes() const {
@@ -332,6 +356,7 @@ class GPT2 {
   }
 
   GPT2Config cfg_;
+  nn::TensorParallelGroup tp_;
   nn::Parameter<T> wte_;  // (Vp, C), also the LM head
   nn::Parameter<T> wpe_;  // (max_seq, C)
   std::vector<GPT2Block<T, Backend>> blocks_;

@@ -20,14 +20,18 @@ namespace llmpar::nn {
 template <class T, class Backend = backend::Cpu>
 class Linear {
  public:
-  Linear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias, float init_std)
-      : in_(in_features),
-        out_(out_features),
-        has_bias_(has_bias),
-        weight_(name + ".weight", {out_features, in_features}, Init::normal(init_std), true),
-        bias_(name + ".bias", {out_features}, Init::zeros(), false) {
-    LLMPAR_CHECK(in_features > 0 && out_features > 0, "linear layer '", name,
-                 "' needs positive sizes, got in=", in_features, " out=", out_features);
+  // in/out features are the full (serial) layer's; weight_split and bias_split say
+  // which part of the weight (out, in) and bias (out) this rank holds (tensor-parallel
+  // layers, nn/tensor_parallel.hpp); the GEMMs run on the held part.
+  Linear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias, float init_std,
+         Split weight_split = {}, Split bias_split = {})
+      : has_bias_(has_bias),
+        weight_((check_sizes(name, in_features, out_features), name + ".weight"), {out_features, in_features},
+                Init::normal(init_std), true, weight_split),
+        bias_(name + ".bias", {out_features}, Init::zeros(), false, bias_split) {
+    const Shape local = weight_.local_shape();
+    out_ = local[0];
+    in_ = local[1];
   }
 
   // y (rows, out) = x (rows, in) · Wᵀ + b
@@ -62,11 +66,15 @@ class Linear {
     if (has_bias_) visit(bias_);
   }
 
+  // The features this rank computes with (the full layer's, unless split).
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
+  bool has_bias() const { return has_bias_; }
   Parameter<T>& weight() { return weight_; }
+  Parameter<T>& bias() { return bias_; }
+  const Parameter<T>& weight() const { return weight_; }
+  const Parameter<T>& bias() const { return bias_; }
 
- private:
   // dW (out, in) += dyᵀ · x; db += Σ_rows dy.
   void weight_bias_backward(typename Backend::Context& ctx, const T* dy, const T* x, std::int64_t rows) {
     Backend::template gemm<T>(ctx, weight_.grad, dy, x, nullptr, out_, in_, rows,
@@ -74,7 +82,13 @@ class Linear {
     if (has_bias_) Backend::bias_backward(ctx, bias_.grad, dy, rows, out_);
   }
 
-  std::int64_t in_, out_;
+ private:
+  static int check_sizes(const std::string& name, std::int64_t in, std::int64_t out) {
+    LLMPAR_CHECK(in > 0 && out > 0, "linear layer '", name, "' needs positive sizes, got in=", in, " out=", out);
+    return 0;
+  }
+
+  std::int64_t in_ = 0, out_ = 0;
   bool has_bias_;
   Parameter<T> weight_;  // (out, in)
   Parameter<T> bias_;    // (out)

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <string>
 #include <type_traits>
 #include <unordered_set>
@@ -41,18 +42,78 @@ struct Init {
   static constexpr Init normal(float s) { return {Kind::normal, s}; }
 };
 
+// Which part of a parameter's full tensor this rank holds. A tensor-parallel layer
+// splits dimension `dim` of the full shape into `parts` equal slices and keeps slice
+// `index`; with `groups` > 1 the dimension is first cut into `groups` equal blocks and
+// each block is split the same way (a fused QKV weight: this rank holds its slice of
+// q, of k and of v, in that order). dim = -1: the whole tensor (replicated).
+struct Split {
+  int dim = -1;
+  int parts = 1;
+  int index = 0;
+  int groups = 1;
+
+  bool is_split() const { return dim >= 0 && parts > 1; }
+  friend bool operator==(const Split&, const Split&) = default;
+};
+
+namespace detail {
+// The extent of dimension d of the full shape held by one rank under split s.
+inline std::int64_t local_extent(const Shape& full, const Split& s, int d) {
+  return s.is_split() && s.dim == d ? full[d] / s.parts : full[d];
+}
+}  // namespace detail
+
+// The shape a rank holds of `full` under `s`; checks that the split divides it.
+inline Shape local_shape(const Shape& full, const Split& s, std::string_view name = "") {
+  if (!s.is_split()) return full;
+  LLMPAR_CHECK(s.dim < full.rank, "parameter '", name, "' of shape ", full, " has no dimension ", s.dim, " to split");
+  LLMPAR_CHECK(s.index >= 0 && s.index < s.parts, "parameter '", name, "': slice ", s.index, " of ", s.parts,
+               " does not exist");
+  LLMPAR_CHECK(s.groups >= 1 && full[s.dim] % (static_cast<std::int64_t>(s.groups) * s.parts) == 0, "parameter '",
+               name, "' of shape ", full, ": dimension ", s.dim, " (", full[s.dim], ") is not divisible by ",
+               s.groups > 1 ? "groups x parts = " : "parts = ", static_cast<std::int64_t>(s.groups) * s.parts,
+               "; choose sizes the tensor-parallel degree divides");
+  Shape local = full;
+  local.dims[s.dim] = full[s.dim] / s.parts;
+  return local;
+}
+
+// The position in the full tensor (row-major) of element i of a rank's slice.
+inline std::int64_t full_index(const Shape& full, const Split& s, std::int64_t i) {
+  if (!s.is_split()) return i;
+  // Row-major: i = (outer, j, inner) with j along the split dimension.
+  std::int64_t inner = 1;
+  for (int d = s.dim + 1; d < full.rank; ++d) inner *= full[d];
+  const std::int64_t local_dim = full[s.dim] / s.parts;
+  const std::int64_t j = (i / inner) % local_dim;
+  const std::int64_t outer = i / (inner * local_dim);
+  const std::int64_t per_group_local = local_dim / s.groups;   // this rank's rows of one group
+  const std::int64_t per_group_full = full[s.dim] / s.groups;  // rows of one group in full
+  const std::int64_t group = j / per_group_local, within = j % per_group_local;
+  const std::int64_t full_j = group * per_group_full + s.index * per_group_local + within;
+  return (outer * full[s.dim] + full_j) * inner + i % inner;
+}
+
 template <class T>
 struct Parameter {
   std::string name;  // unique within a model, e.g. "h.3.attn.qkv.weight"
   Shape shape;       // of the full (unsplit) tensor
   Init init;
   bool decay = false;  // weight decay applies (matrices yes; biases and norm gains no)
-  T* value = nullptr;  // bound by ParameterStore
+  Split split;         // the part of the full tensor this rank holds (default: all of it)
+  T* value = nullptr;  // bound by ParameterStore; local_shape() elements
   T* grad = nullptr;
 
   Parameter() = default;
-  Parameter(std::string n, Shape s, Init i, bool d) : name(std::move(n)), shape(s), init(i), decay(d) {}
-  std::int64_t numel() const { return shape.numel(); }
+  Parameter(std::string n, Shape s, Init i, bool d, Split sp = {})
+      : name(std::move(n)), shape(s), init(i), decay(d), split(sp) {
+    static_cast<void>(nn::local_shape(shape, split, name));  // checks that the split divides the shape
+  }
+  // The shape and number of elements this rank holds.
+  Shape local_shape() const { return nn::local_shape(shape, split, name); }
+  std::int64_t numel() const { return local_shape().numel(); }
+  std::int64_t full_numel() const { return shape.numel(); }
 };
 
 // A type whose parameters can be visited: `l.parameters(visit)` calls visit(Parameter&)
@@ -127,9 +188,14 @@ class ParameterStore {
         for (std::int64_t i = 0; i < n; ++i) out[i] = T(1);
         break;
       case Init::Kind::normal: {
+        // Drawn at each element's position in the full tensor: a slice gets exactly the
+        // serial model's values there.
         const rng::Stream stream = rng::Stream::named(seed, p.name);
+        const Shape full = p.shape;
+        const Split split = p.split;
 #pragma omp parallel for schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(p.init.std * stream.normal(i));
+        for (std::int64_t i = 0; i < n; ++i)
+          out[i] = static_cast<T>(p.init.std * stream.normal(static_cast<std::uint64_t>(full_index(full, split, i))));
         break;
       }
     }
@@ -142,6 +208,12 @@ class ParameterStore {
   std::int64_t numel() const {
     std::int64_t n = 0;
     for (const Parameter<T>* p : params_) n += p->numel();
+    return n;
+  }
+  // Elements of the full (unsplit) parameters: the model's size, whatever the split.
+  std::int64_t full_numel() const {
+    std::int64_t n = 0;
+    for (const Parameter<T>* p : params_) n += p->full_numel();
     return n;
   }
   // The flat buffers, padding included (padding is zero and stays zero).

@@ -16,6 +16,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/tensor_parallel.hpp"
 
 namespace llmpar::optim {
 
@@ -54,11 +55,16 @@ class AdamW {
     v_.zero();
   }
 
+  // The model is split over a tensor-parallel group: the global gradient norm then sums
+  // the split parameters' squares over the group (each rank holds a slice) and counts
+  // the replicated ones once (every rank holds the same gradient).
+  void set_model_parallel(nn::TensorParallelGroup tp) { tp_ = tp; }
+
   // One update at learning rate `lr` (already scheduled). Returns the gradient norm
   // before clipping.
   double step(float lr) {
     ++step_;
-    const double norm = gradient_norm(store_);
+    const double norm = tp_.split() ? model_parallel_gradient_norm() : gradient_norm(store_);
     float grad_scale = 1.0f;
     if (cfg_.grad_clip > 0.0f && norm > cfg_.grad_clip) grad_scale = static_cast<float>(cfg_.grad_clip / (norm + 1e-6));
     const T* base = store_.values();
@@ -77,7 +83,17 @@ class AdamW {
   Buffer<T>& second_moment() { return v_; }
 
  private:
+  double model_parallel_gradient_norm() const {
+    double split = 0.0, replicated = 0.0;
+    for (const nn::Parameter<T>* p : store_.parameters())
+      (p->split.is_split() ? split : replicated) += backend::cpu::sum_of_squares(p->grad, p->numel());
+    float total = static_cast<float>(split);  // communicators carry f32
+    tp_.all_reduce(&total, 1);
+    return std::sqrt(static_cast<double>(total) + replicated);
+  }
+
   nn::ParameterStore<T>& store_;
+  nn::TensorParallelGroup tp_;
   AdamWConfig cfg_;
   Buffer<T> m_, v_;
   int step_ = 0;

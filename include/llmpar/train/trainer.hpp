@@ -65,6 +65,16 @@ class Trainer {
         replicas_(replicas && replicas->size() > 1 ? replicas : nullptr) {
     cfg.validate();
     schedule.validate();
+    if constexpr (requires { model.tensor_parallel(); }) {
+      if (model.tensor_parallel().split()) {
+        if constexpr (requires { optimizer_.set_model_parallel(model.tensor_parallel()); }) {
+          optimizer_.set_model_parallel(model.tensor_parallel());
+        } else {
+          LLMPAR_FAIL("the ", Backend::kName, " backend's optimizer cannot yet clip a tensor-parallel model's "
+                      "gradients; train it with tp 1 on this backend");
+        }
+      }
+    }
     if (replicas_ && !Backend::Space::kHostAccessible) {
       LLMPAR_CHECK(replicas_->engine_name() == std::string_view("nccl"), "the ", Backend::kName,
                    " backend keeps gradients in device memory, which the ", replicas_->engine_name(),

@@ -1,0 +1,159 @@
+// llmpar/nn/tensor_parallel.hpp — Megatron-LM's tensor-parallel linear layers.
+//
+// A pair of them splits an MLP (or attention) over the tp ranks of a group so that it
+// needs one all-reduce forward and one backward (Shoeybi et al. 2019):
+//
+//   ColumnParallelLinear  W (out, in) split by output features: each rank computes its
+//                         out/tp columns of y from the full x. Forward needs nothing; in
+//                         backward every rank holds a partial dx, summed by an all-reduce
+//                         (Megatron's "f": identity forward, all-reduce backward).
+//   RowParallelLinear     W (out, in) split by input features: each rank multiplies its
+//                         in/tp slice of x (the column-parallel layer's output) and the
+//                         partial products are summed by an all-reduce ("g": all-reduce
+//                         forward, identity backward). The bias is whole on every rank and
+//                         added once, by rank 0's GEMM, before the sum.
+//
+// Parameters are split with nn::Split and initialised at their positions in the full
+// tensor, so the ranks' slices together are exactly the serial layer's weights: with
+// the same seed, tp ranks compute the serial layer. Sums over ranks run in rank order
+// (the communicators' contract), so a run is reproducible bit for bit, and equal to the
+// serial run to float rounding.
+//
+// `groups` splits a fused projection block by block: a QKV weight (3C, C) with groups 3
+// puts q's, k's and v's slices of this rank next to each other, which is the head
+// layout the attention kernels read (C/tp channels of q, then of k, then of v).
+//
+// A null group (or one of size 1) is the serial layer: no split, no communication.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "llmpar/backend/backend.hpp"
+#include "llmpar/comm/init.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/nn/linear.hpp"
+#include "llmpar/nn/parameter.hpp"
+
+namespace llmpar::nn {
+
+// The group a tensor-parallel layer is split over.
+class TensorParallelGroup {
+ public:
+  TensorParallelGroup() = default;
+  explicit TensorParallelGroup(comm::Comm* group) : group_(group && group->size() > 1 ? group : nullptr) {}
+
+  int size() const { return group_ ? group_->size() : 1; }
+  int rank() const { return group_ ? group_->rank() : 0; }
+  bool split() const { return group_ != nullptr; }
+
+  // The Split of a dimension cut into size() parts, this rank's part.
+  Split along(int dim, int groups = 1) const { return split() ? Split{dim, size(), rank(), groups} : Split{}; }
+
+  // x (n) = Σ over the group's ranks, in place (nothing when not split).
+  template <class T>
+  void all_reduce(T* x, std::int64_t n) const {
+    if (group_ == nullptr) return;
+    if constexpr (requires { group_->all_reduce(std::span<T>(x, static_cast<std::size_t>(n))); }) {
+      group_->all_reduce(std::span<T>(x, static_cast<std::size_t>(n)));
+    } else {
+      LLMPAR_FAIL("a tensor-parallel layer stores a type the communicators cannot carry (", sizeof(T),
+                  "-byte elements); split float, bf16 or f16 models (double models run unsplit)");
+    }
+  }
+
+  // A size that must divide by the group: fails naming the value, what it is and the degree.
+  void check_divides(std::int64_t value, const char* what) const {
+    LLMPAR_CHECK(value % size() == 0, what, " (", value, ") is not divisible by the tensor-parallel degree ", size(),
+                 "; choose ", what, " as a multiple of ", size(), " or a tp that divides ", value);
+  }
+
+ private:
+  comm::Comm* group_ = nullptr;
+};
+
+// y_local (rows, out/tp) = x (rows, in) · W_localᵀ + b_local.
+template <class T, class Backend = backend::Cpu>
+class ColumnParallelLinear {
+ public:
+  using Context = typename Backend::Context;
+
+  ColumnParallelLinear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias,
+                       float init_std, TensorParallelGroup tp, int groups = 1)
+      : tp_((tp.check_divides(out_features / groups, (name + " output features per group").c_str()), tp)),
+        linear_(name, in_features, out_features, has_bias, init_std, tp.along(0, groups), tp.along(0, groups)) {}
+
+  void forward(Context& ctx, T* y, const T* x, std::int64_t rows) const { linear_.forward(ctx, y, x, rows); }
+  // act = gelu(pre), pre = x · W_localᵀ + b_local: the first half of a tensor-parallel MLP.
+  void forward_gelu(Context& ctx, T* act, T* pre, const T* x, std::int64_t rows) const {
+    linear_.forward_gelu(ctx, act, pre, x, rows);
+  }
+
+  // dx (rows, in) = Σ_ranks dy_local · W_local (the all-reduce of "f"); dW, db of this
+  // rank's slice accumulate.
+  void backward(Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
+    linear_.backward(ctx, dx, dy, x, rows);
+    if (dx != nullptr) {
+      Backend::synchronize(ctx);
+      tp_.all_reduce(dx, rows * linear_.in_features());
+    }
+  }
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    linear_.parameters(visit);
+  }
+  std::int64_t local_out_features() const { return linear_.out_features(); }
+  Linear<T, Backend>& linear() { return linear_; }
+
+ private:
+  TensorParallelGroup tp_;
+  Linear<T, Backend> linear_;
+};
+
+// y (rows, out) = Σ_ranks x_local (rows, in/tp) · W_localᵀ + b.
+template <class T, class Backend = backend::Cpu>
+class RowParallelLinear {
+ public:
+  using Context = typename Backend::Context;
+
+  RowParallelLinear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias,
+                    float init_std, TensorParallelGroup tp)
+      : tp_((tp.check_divides(in_features, (name + " input features").c_str()), tp)),
+        linear_(name, in_features, out_features, has_bias, init_std, tp.along(1), Split{}) {}
+
+  void forward(Context& ctx, T* y, const T* x, std::int64_t rows) const {
+    const bool bias = linear_.has_bias() && tp_.rank() == 0;  // added once, before the sum
+    Backend::template gemm<T>(ctx, y, x, linear_.weight().value, bias ? linear_.bias().value : nullptr, rows,
+                              linear_.out_features(), linear_.in_features(),
+                              {.trans_a = false, .trans_b = true, .accumulate = false});
+    if (tp_.split()) {
+      Backend::synchronize(ctx);
+      tp_.all_reduce(y, rows * linear_.out_features());
+    }
+  }
+
+  // dx_local (rows, in/tp) = dy · W_local; dW_local += dyᵀ · x_local; db += Σ dy
+  // (every rank has the whole dy, so the replicated bias gets the same gradient).
+  void backward(Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
+    linear_.backward(ctx, dx, dy, x, rows);
+  }
+  // The same when x_local = gelu(pre_local): dpre_local = (dy · W_local) * gelu'(pre_local).
+  void backward_through_gelu(Context& ctx, T* dpre, const T* dy, const T* x, const T* pre, std::int64_t rows) {
+    linear_.backward_through_gelu(ctx, dpre, dy, x, pre, rows);
+  }
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    linear_.parameters(visit);
+  }
+  std::int64_t local_in_features() const { return linear_.in_features(); }
+  Linear<T, Backend>& linear() { return linear_; }
+
+ private:
+  TensorParallelGroup tp_;
+  Linear<T, Backend> linear_;
+};
+
+}  // namespace llmpar::nn

@@ -1,0 +1,198 @@
+// Policy composition (parallel/compose.hpp, precision/policy.hpp) and the Layer concept
+// (nn/layer.hpp). Most of what they promise is checked at compile time, so most of this
+// file is static_asserts; the CHECKs repeat the values a trainer reads at run time. The
+// mistakes that must not compile are tests/compile_fail/*.cpp.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+#include "llmpar/backend/cpu/backend.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/nn/layer.hpp"
+#include "llmpar/parallel/compose.hpp"
+#include "llmpar/precision/policy.hpp"
+
+using namespace llmpar;
+
+namespace {
+
+// The trainer sketch in DESIGN.md.
+using Sketch = Compose<backend::Cpu, precision::BF16Mixed, parallel::Tensor<SequenceParallel::on>,
+                       parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<2>>>;
+
+using Defaults = Compose<>;
+
+}  // namespace
+
+TEST_CASE("Compose fills every kind that is not given with its default") {
+  static_assert(std::is_same_v<Defaults::backend, backend::Cpu>);
+  static_assert(std::is_same_v<Defaults::precision, precision::FP32>);
+  static_assert(std::is_same_v<Defaults::tensor, parallel::Tensor<SequenceParallel::off>>);
+  static_assert(std::is_same_v<Defaults::pipeline, parallel::Pipeline<schedule::OneFOneB>>);
+  static_assert(std::is_same_v<Defaults::data, parallel::Data<zero::Stage<0>>>);
+  static_assert(std::is_same_v<Defaults::recompute, recompute::None>);
+  CHECK_FALSE(Defaults::kOnCuda);
+  CHECK_FALSE(Defaults::kSequenceParallel);
+  CHECK(Defaults::kPipelineChunks == 1);
+  CHECK(Defaults::kZeroStage == 0);
+  CHECK_FALSE(Defaults::kHasLossScale);
+  CHECK_FALSE(Defaults::kMixedPrecision);
+
+  // One tag given: only its kind changes.
+  using OnlyZero3 = Compose<parallel::Data<zero::Stage<3>>>;
+  static_assert(std::is_same_v<OnlyZero3::precision, precision::FP32>);
+  static_assert(std::is_same_v<OnlyZero3::backend, backend::Cpu>);
+  CHECK(OnlyZero3::kZeroStage == 3);
+  // Spelling out the defaults is the same type as leaving them out.
+  static_assert(
+      std::is_same_v<Defaults,
+                     Compose<backend::Cpu, precision::FP32, parallel::Tensor<SequenceParallel::off>,
+                             parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<0>>, recompute::None>>);
+}
+
+TEST_CASE("Compose reads the DESIGN.md trainer sketch") {
+  static_assert(std::is_same_v<Sketch::backend, backend::Cpu>);
+  static_assert(std::is_same_v<Sketch::precision, precision::BF16Mixed>);
+  static_assert(std::is_same_v<Sketch::tensor, parallel::Tensor<SequenceParallel::on>>);
+  static_assert(std::is_same_v<Sketch::pipeline::Schedule, schedule::OneFOneB>);
+  static_assert(std::is_same_v<Sketch::data::Zero, zero::Stage<2>>);
+  static_assert(std::is_same_v<Sketch::recompute, recompute::None>);
+  CHECK(Sketch::kSequenceParallel);
+  CHECK(Sketch::kZeroStage == 2);
+  CHECK(Sketch::kPipelineChunks == 1);
+  CHECK(Sketch::kMixedPrecision);
+  CHECK_FALSE(Sketch::kHasLossScale);
+  static_assert(ComposedPolicy<Sketch>);
+  static_assert(!ComposedPolicy<precision::BF16Mixed>);
+}
+
+TEST_CASE("Compose does not depend on the order of its tags") {
+  using Reordered = Compose<parallel::Data<zero::Stage<2>>, parallel::Pipeline<schedule::OneFOneB>,
+                            parallel::Tensor<SequenceParallel::on>, precision::BF16Mixed, backend::Cpu>;
+  static_assert(std::is_same_v<Sketch, Reordered>);
+  static_assert(std::is_same_v<Compose<recompute::Full, backend::Cuda>, Compose<backend::Cuda, recompute::Full>>);
+  static_assert(std::is_same_v<Compose<backend::Cuda, precision::BF16Mixed>::backend, backend::Cuda>);
+  static_assert(std::is_same_v<Compose<precision::BF16Mixed, backend::Cuda>::backend, backend::Cuda>);
+  CHECK(std::string_view(Sketch::kName) == std::string_view(Reordered::kName));
+}
+
+TEST_CASE("Compose's convenience values follow the tags") {
+  using Interleaved =
+      Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>,
+              parallel::Pipeline<schedule::Interleaved1F1B<4>>, parallel::Data<zero::Stage<1>>, recompute::Selective>;
+  // ZeRO with the interleaved schedule and selective recompute without sequence
+  // parallelism all run in Megatron, so they compose.
+  static_assert(Interleaved::kOnCuda);
+  static_assert(Interleaved::kPipelineChunks == 4);
+  static_assert(Interleaved::kZeroStage == 1);
+  static_assert(!Interleaved::kSequenceParallel);
+  static_assert(Interleaved::kHasLossScale && Interleaved::kMixedPrecision);
+  static_assert(std::is_same_v<Interleaved::recompute, recompute::Selective>);
+  static_assert(std::is_same_v<Interleaved::precision::LossScale, precision::DynamicLossScale>);
+  CHECK(Compose<parallel::Pipeline<schedule::GPipe>>::kPipelineChunks == 1);
+  CHECK(Compose<parallel::Tensor<SequenceParallel::on>, recompute::Selective>::kSequenceParallel);
+  CHECK(std::string_view(Interleaved::kName) ==
+        "Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>, "
+        "parallel::Tensor<SequenceParallel::off>, parallel::Pipeline<schedule::Interleaved1F1B<4>>, "
+        "parallel::Data<zero::Stage<1>>, recompute::Selective>");
+  CHECK(std::string_view(Defaults::kName) ==
+        "Compose<backend::Cpu, precision::FP32, parallel::Tensor<SequenceParallel::off>, "
+        "parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<0>>, recompute::None>");
+}
+
+TEST_CASE("every tag is classified by its kind and named as written") {
+  using parallel::PolicyTraits;
+  static_assert(std::is_same_v<PolicyTraits<backend::Cuda>::Kind, policy_kind::Backend>);
+  static_assert(std::is_same_v<PolicyTraits<precision::FP32>::Kind, policy_kind::Precision>);
+  static_assert(std::is_same_v<PolicyTraits<parallel::Tensor<SequenceParallel::on>>::Kind, policy_kind::Tensor>);
+  static_assert(std::is_same_v<PolicyTraits<parallel::Pipeline<schedule::GPipe>>::Kind, policy_kind::Pipeline>);
+  static_assert(std::is_same_v<PolicyTraits<parallel::Data<zero::Stage<3>>>::Kind, policy_kind::Data>);
+  static_assert(std::is_same_v<PolicyTraits<recompute::Full>::Kind, policy_kind::Recompute>);
+  static_assert(!parallel::PolicyTag<int>);
+  static_assert(!parallel::PolicyTag<schedule::OneFOneB>);  // a schedule goes inside parallel::Pipeline<...>
+  static_assert(!parallel::PolicyTag<zero::Stage<1>>);      // a ZeRO stage goes inside parallel::Data<...>
+  CHECK(std::string_view(PolicyTraits<backend::Cpu>::kName) == "backend::Cpu");
+  CHECK(std::string_view(PolicyTraits<parallel::Tensor<SequenceParallel::on>>::kName) ==
+        "parallel::Tensor<SequenceParallel::on>");
+  CHECK(std::string_view(parallel::Pipeline<schedule::Interleaved1F1B<12>>::kName) ==
+        "parallel::Pipeline<schedule::Interleaved1F1B<12>>");
+  CHECK(std::string_view(parallel::Data<zero::Stage<2>>::kName) == "parallel::Data<zero::Stage<2>>");
+}
+
+TEST_CASE("precision policies name their storage, compute, gradient and master types") {
+  static_assert(std::is_same_v<precision::FP32::Param, float> && std::is_same_v<precision::FP32::Grad, float>);
+  static_assert(!precision::kSeparateMaster<precision::FP32>);
+  static_assert(std::is_same_v<precision::BF16Mixed::Param, bf16> &&
+                std::is_same_v<precision::BF16Mixed::Compute, bf16>);
+  static_assert(std::is_same_v<precision::BF16Mixed::Grad, float>);  // accumulated in f32
+  static_assert(precision::kSeparateMaster<precision::BF16Mixed>);
+  static_assert(!precision::BF16Mixed::kHasLossScale);
+  using FP16 = precision::FP16Mixed<precision::DynamicLossScale>;
+  static_assert(std::is_same_v<FP16::Param, f16> && std::is_same_v<FP16::Compute, f16> &&
+                std::is_same_v<FP16::Grad, f16> && std::is_same_v<FP16::Master, float>);
+  static_assert(FP16::kHasLossScale && precision::LossScaler<FP16::LossScale>);
+  static_assert(!precision::LossScaler<precision::NoLossScale> && !precision::LossScaler<void>);
+  constexpr precision::DynamicLossScale::Config scale;
+  CHECK(scale.initial_scale == 65536.0f);
+  CHECK(scale.growth_factor == 2.0f);
+  CHECK(scale.backoff_factor == 0.5f);
+  CHECK(scale.growth_interval == 2000);
+}
+
+namespace {
+
+// A user's layer as DESIGN.md has one: y = x * w elementwise over C = 1.
+template <class T, class Backend>
+struct ScaleLayer {
+  nn::Parameter<T> weight{"scale.weight", {1}, nn::Init::ones(), false};
+  void forward(typename Backend::Context&, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+    for (std::int64_t i = 0; i < batch * seq; ++i) out[i] = x[i] * weight.value[0];
+  }
+  void backward(typename Backend::Context&, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
+    for (std::int64_t i = 0; i < batch * seq; ++i) {
+      dx[i] = dout[i] * weight.value[0];
+      weight.grad[0] += dout[i] * x[i];
+    }
+  }
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    visit(weight);
+  }
+};
+
+struct NoForward {
+  void backward(backend::Cpu::Context&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
+  template <class Visit>
+  void parameters(Visit&&) {}
+};
+
+}  // namespace
+
+TEST_CASE("the Layer concept accepts a user layer and names what a type lacks") {
+  static_assert(nn::Layer<ScaleLayer<float, backend::Cpu>, backend::Cpu>);
+  static_assert(nn::Layer<ScaleLayer<double, backend::Cpu>, backend::Cpu, double>);
+  static_assert(nn::check_layer<ScaleLayer<float, backend::Cpu>, backend::Cpu>());
+  // A float layer is not a double layer.
+  static_assert(!nn::HasLayerForward<ScaleLayer<float, backend::Cpu>, backend::Cpu, double>);
+  static_assert(!nn::Layer<NoForward, backend::Cpu>);
+  static_assert(!nn::HasLayerForward<NoForward, backend::Cpu>);
+  static_assert(nn::HasLayerBackward<NoForward, backend::Cpu> && nn::HasParameters<NoForward>);
+  static_assert(!nn::Layer<int, backend::Cpu>);
+  // GPT2Block is a Layer (its 6-argument backward uses a scratch of its own).
+  static_assert(nn::check_layer<models::GPT2Block<float>, backend::Cpu>());
+
+  ScaleLayer<float, backend::Cpu> layer;
+  float w = 3.0f, dw = 0.0f;
+  layer.weight.value = &w;
+  layer.weight.grad = &dw;
+  backend::Cpu::Context ctx;
+  const float x[2] = {1.0f, 2.0f};
+  float y[2] = {}, dy[2] = {1.0f, 1.0f}, dx[2] = {};
+  layer.forward(ctx, y, x, 1, 2);
+  layer.backward(ctx, dx, dy, x, 1, 2);
+  CHECK(y[1] == 6.0f);
+  CHECK(dx[0] == 3.0f);
+  CHECK(dw == 3.0f);
+}
