@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--tp", o.tp, "Tensor-parallel degree: split every block's heads and MLP over this many ranks")
       ->capture_default_str();
+  app.add_flag("--sp", o.sp, "Sequence parallelism: split the LayerNorm and residual regions' rows over the tp group");
   app.add_flag("--tf32", o.tf32, "CUDA: fp32 GEMMs on TF32 tensor cores (faster, 10-bit mantissa products)");
   app.footer(
       "Ranks (read before the options above):\n"

@@ -40,6 +40,7 @@ struct Options {
   std::string backend = "cpu";
   bool tf32 = false;
   int tp = 1;  // tensor-parallel degree; the other ranks replicate (data parallel)
+  bool sp = false;  // sequence parallelism within the tp group
 };
 
 // The validation pattern llm.c uses: the train pattern with "train" replaced by "val".
@@ -95,7 +96,8 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
   LLMPAR_CHECK(o.tp >= 1 && world.size() % o.tp == 0, "--tp ", o.tp, " does not divide the ", world.size(),
                " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
   comm::Grid grid(world, {.tp = o.tp});
-  const nn::TensorParallelGroup tp(&grid.tp());
+  LLMPAR_CHECK(!o.sp || o.tp > 1, "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
+  const nn::TensorParallelGroup tp(&grid.tp(), o.sp ? parallel::SequenceParallel::on : parallel::SequenceParallel::off);
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
@@ -113,10 +115,10 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
               static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
               static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
               static_cast<double>(model.num_parameters()) * 1e-6);
-  say("train: %lld steps, %d rank%s (%s; tp %d x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
+  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
       "%s backend, MFU against a peak of %.1f GFLOP/s\n",
       static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "", std::string(world.engine_name()).c_str(),
-      grid.tp().size(), grid.dp().size(),
+      grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(),
       static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
       static_cast<double>(o.lr), static_cast<long long>(warmup), B::kName, peak);
 
@@ -132,6 +134,7 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
                  {"parameters", model.num_parameters()},
                  {"ranks", world.size()},
                  {"tp", o.tp},
+                 {"sp", o.sp},
                  {"batch", o.batch},
                  {"grad_accum", o.grad_accum},
                  {"steps", o.steps},
@@ -163,7 +166,8 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
   });
 
-  if (o.sample_tokens > 0 && lead) {
+  // Every rank samples (the split blocks need their whole tp group); rank 0 prints.
+  if (o.sample_tokens > 0) {
     LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256,
                  "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
                  "for models whose data used another tokenizer");
@@ -173,8 +177,8 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
     const auto out =
         train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature, .seed = o.seed});
     std::vector<std::uint16_t> ids(out.begin(), out.end());
-    std::printf("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature),
-                tok.decode(ids).c_str());
+    say("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature),
+        tok.decode(ids).c_str());
   }
   return 0;
 }

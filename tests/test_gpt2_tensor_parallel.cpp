@@ -1,7 +1,9 @@
-// GPT-2 with its blocks split over tp = 1, 2, 4 thread ranks trains as the serial model:
-// five AdamW steps (with gradient clipping active) from the same seed give the same
-// losses and the same final parameters, gathered from the ranks' slices, to 1e-5
-// relative in fp32. Heads that the degree does not divide are named.
+// GPT-2 with its blocks split over tp = 1, 2, 4 thread ranks, with sequence parallelism
+// off and on, trains as the serial model: five AdamW steps (with gradient clipping
+// active) from the same seed give the same losses and the same final parameters,
+// gathered from the ranks' slices, to 1e-5 relative in fp32. The activation memory per
+// rank falls as predicted, and sequence parallelism's saving is asserted. Heads and
+// sequence lengths that the degree does not divide are named.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -58,6 +60,7 @@ void train(Model& model, Run& run, std::mutex& mutex, bool lead) {
     model.zero_grad();
     losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
     model.backward(ctx);
+    model.finish_gradients(ctx);
     opt.step(1e-2f);
   }
   const std::lock_guard<std::mutex> lock(mutex);
@@ -85,21 +88,23 @@ double relative_difference(const std::vector<float>& a, const std::vector<float>
 
 }  // namespace
 
-TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks trains as the serial model") {
+TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel or not, trains as the serial model") {
   std::mutex mutex;
   Run serial;
   {
     models::GPT2<float> model(config(), 99);
     train(model, serial, mutex, true);
   }
+  for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on})
   for (int tp : {1, 2, 4}) {
     Run parallel;
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
-      models::GPT2<float> model(config(), 99, nn::TensorParallelGroup(&world));
+      models::GPT2<float> model(config(), 99, nn::TensorParallelGroup(&world, sp));
       train(model, parallel, mutex, world.rank() == 0);
     });
-    INFO("tp = " << tp);
+    const bool sequence_parallel = sp == parallel::SequenceParallel::on;
+    INFO("tp = " << tp << (sequence_parallel ? ", sequence parallel" : ""));
     REQUIRE(parallel.losses.size() == serial.losses.size());
     for (std::size_t s = 0; s < serial.losses.size(); ++s) {
       INFO("step " << s + 1 << ": " << parallel.losses[s] << " vs serial " << serial.losses[s]);
@@ -116,8 +121,9 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks trains as the seria
     }
     for (std::size_t s = 0; s < serial.losses.size(); ++s)
       worst_loss = std::max(worst_loss, std::abs(parallel.losses[s] - serial.losses[s]) / serial.losses[s]);
-    MESSAGE("tp ", tp, ": largest relative difference from the serial run: losses ", worst_loss, ", parameters ",
-            worst);
+    MESSAGE("tp ", tp, std::string(sequence_parallel ? " with" : " without"),
+            " sequence parallelism: largest relative difference from the serial run: losses ", worst_loss,
+            ", parameters ", worst);
   }
 }
 
@@ -132,31 +138,59 @@ TEST_CASE("GPT-2 heads that the tensor-parallel degree does not divide are named
   });
 }
 
-TEST_CASE("tensor parallelism divides the split activations of every block by tp") {
-  // Per rank: the attention (q, k, v, output, lse) and MLP (pre-GELU and GELU) activations
-  // are split; the LayerNorm outputs, the residual stream, the logits and the block
-  // scratch stay whole (sequence parallelism is what splits the LayerNorm regions).
-  std::vector<std::size_t> bytes;
+TEST_CASE("tensor parallelism divides the split activations of every block by tp; sequence parallelism the rest") {
+  // Per rank, tensor parallelism splits the attention (q, k, v, output, lse) and MLP
+  // (pre-GELU and GELU) activations; sequence parallelism also splits each block's
+  // LayerNorm outputs and residual after attention, and the residual stream between
+  // blocks, at the price of two gather/partial buffers of (B·S, C).
   const std::int64_t B = 4, S = 16;
-  for (int tp : {1, 2, 4}) {
+  const models::GPT2Config cfg = config();
+  auto measure = [&](int tp, parallel::SequenceParallel sp) {
     std::size_t mine = 0;
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
       backend::cpu::Context ctx;
-      models::GPT2<float> model(config(), 3, nn::TensorParallelGroup(&world));
+      models::GPT2<float> model(cfg, 3, nn::TensorParallelGroup(&world, sp));
       std::vector<std::int32_t> tokens(B * S, 1), targets(B * S, 2);
       model.zero_grad();
       model.forward(ctx, tokens.data(), targets.data(), B, S);
       model.backward(ctx);
       if (world.rank() == 0) mine = model.activation_bytes();
     });
-    MESSAGE("tp ", tp, ": ", mine, " bytes of activations and activation gradients per rank (B=4, T=16, C=32, L=2)");
-    bytes.push_back(mine);
+    MESSAGE("tp ", tp, std::string(sp == parallel::SequenceParallel::on ? " with" : " without"),
+            " sequence parallelism: ", mine,
+            " bytes of activations and activation gradients per rank (B=4, T=16, C=32, L=2)");
+    return mine;
+  };
+  const std::size_t row = static_cast<std::size_t>(B * S) * sizeof(float);  // one float per row
+  const std::size_t L = static_cast<std::size_t>(cfg.layers), C = static_cast<std::size_t>(cfg.dim);
+  const std::size_t serial = measure(1, parallel::SequenceParallel::off);
+  // Each block splits 3C (qkv) + C (attention out) + 8C (MLP) + NH (lse) floats per row.
+  const std::size_t tp_split = L * row * (12 * C + static_cast<std::size_t>(cfg.heads));
+  // Sequence parallelism splits, per block, ln1 and ln2 outputs and x_mid (3C per row)
+  // and the two LayerNorms' statistics (mean and rstd: 4 per row); the model's residual
+  // stream ((L+1)C), its two residual gradients (2C) and the final norm's statistics (2);
+  // the final norm's output is kept as a local copy (+C/tp) besides the gathered one.
+  for (int tp : {2, 4}) {
+    const std::size_t t = static_cast<std::size_t>(tp);
+    const std::size_t without = measure(tp, parallel::SequenceParallel::off);
+    const std::size_t with = measure(tp, parallel::SequenceParallel::on);
+    CHECK(serial - without == tp_split * (t - 1) / t);
+    const std::size_t sp_split = row * (C * (3 * L + (L + 1) + 2) + 4 * L + 2) * (t - 1) / t;
+    const std::size_t sp_added = row * C * 2 /* gathered, partial */ + row * C / t /* lnf_local */;
+    CHECK(without - with == sp_split - sp_added);
+    CHECK(with < without);
   }
-  // Each block keeps 3C (qkv) + C (attention out) + 8C (MLP) floats per row split by tp,
-  // and NH floats per row of lse: 12C + NH per row, of which tp-1/tp is saved.
-  const models::GPT2Config cfg = config();
-  const std::size_t split_per_block = static_cast<std::size_t>(B * S * (12 * cfg.dim + cfg.heads)) * sizeof(float);
-  CHECK(bytes[0] - bytes[1] == static_cast<std::size_t>(cfg.layers) * split_per_block / 2);
-  CHECK(bytes[0] - bytes[2] == static_cast<std::size_t>(cfg.layers) * split_per_block * 3 / 4);
+}
+
+TEST_CASE("a sequence that sequence parallelism cannot split is named") {
+  comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    backend::cpu::Context ctx;
+    models::GPT2<float> model(config(), 1, nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+    std::vector<std::int32_t> tokens(2 * 10, 1);
+    CHECK_THROWS_WITH_AS(model.forward(ctx, tokens.data(), tokens.data(), 2, 10),
+                         doctest::Contains("sequence length 10 is not divisible by the tensor-parallel degree 4"),
+                         Error);
+  });
 }

@@ -30,6 +30,7 @@
 #include "llmpar/nn/layernorm.hpp"
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/rmsnorm.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"

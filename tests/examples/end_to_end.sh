@@ -9,8 +9,9 @@
 #   corrupt-shard a text file passed as a shard names the file and the wrong magic
 #   bad-config    a dim that heads does not divide names both values
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
-#                 losses step by step (replicas average gradients); so does --ranks 2 --tp 2
-#                 --batch 8 (each block split over 2 ranks); bad --ranks and --tp are named
+#                 losses step by step (replicas average gradients); so do --ranks 2 --tp 2
+#                 --batch 8 (each block split over 2 ranks) and the same with --sp
+#                 (sequence parallel); bad --ranks, --tp and --sp are named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative (fp32 on both; different kernels sum in different
@@ -70,6 +71,8 @@ case "$case" in
       # Tensor parallel: 2 ranks split every block and see the whole batch of 8.
       "$bin/train_gpt" "${common[@]}" --ranks 2 --tp 2 --batch 8 --metrics tp.jsonl | tee tp.txt
       grep -q '2 ranks (thread; tp 2 x dp 1)' tp.txt || fail "train_gpt --ranks 2 --tp 2 did not split over tp 2"
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --tp 2 --sp --batch 8 --metrics sp.jsonl | tee sp.txt
+      grep -q '2 ranks (thread; tp 2 sp x dp 1)' sp.txt || fail "train_gpt --tp 2 --sp did not run sequence parallel"
     else
       read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
       "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --batch 4 --metrics two.jsonl | tee two.txt
@@ -83,10 +86,17 @@ case "$case" in
         if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (2 ranks)"; bad = 1 }
       } END { exit bad }' || fail "2 ranks did not reproduce the 1-rank losses"
     if [[ "$case" == ranks ]]; then
-      paste <(losses one.jsonl) <(losses tp.jsonl) | awk '{
-          d = $1 - $2; if (d < 0) d = -d
-          if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (tp 2)"; bad = 1 }
-        } END { exit bad }' || fail "tp 2 did not reproduce the 1-rank losses"
+      for layout in tp sp; do
+        paste <(losses one.jsonl) <(losses $layout.jsonl) | awk -v layout=$layout '{
+            d = $1 - $2; if (d < 0) d = -d
+            if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (" layout ")"; bad = 1 }
+          } END { exit bad }' || fail "$layout with 2 ranks did not reproduce the 1-rank losses"
+      done
+      expect_error "--sp splits the sequence over the tensor-parallel group" "$bin/train_gpt" --sp
+      # Sampling runs on every rank of a split model (the blocks need their whole group).
+      "$bin/train_gpt" --ranks 2 --tp 2 --sp --steps 1 --eval-every 0 --sample-tokens 8 --peak-gflops 50 |
+        tee sample.txt
+      grep -q -- '---- sample' sample.txt || fail "train_gpt --tp 2 --sp printed no sample"
       expect_error "--tp 3 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 3
       expect_error "heads (4) is not divisible by the tensor-parallel degree 8" "$bin/train_gpt" --ranks 8 --tp 8 \
         --steps 1

@@ -78,14 +78,23 @@ namespace detail {
 // Gradients that live only while one block's backward runs; shared by all blocks.
 template <class T, class Space>
 struct BlockScratch {
-  Buffer<T, Space> wide0;  // (rows, 4C)
-  Buffer<T, Space> qkv;           // (rows, 3C)
-  Buffer<T, Space> c0, c1;        // (rows, C)
-  void reserve(std::int64_t rows, std::int64_t dim) {
+  Buffer<T, Space> wide0;              // (rows, 4C)
+  Buffer<T, Space> qkv;                // (rows, 3C)
+  Buffer<T, Space> c0, c1;             // (rows, C)
+  Buffer<T, Space> gathered, partial;  // (rows, C), sequence parallelism only: gathered
+                                       // rows and partial sums before a reduce-scatter
+  void reserve(std::int64_t rows, std::int64_t dim, bool sequence_parallel = false) {
     wide0.reserve(rows * 4 * dim);
     qkv.reserve(rows * 3 * dim);
     c0.reserve(rows * dim);
     c1.reserve(rows * dim);
+    if (sequence_parallel) {
+      gathered.reserve(rows * dim);
+      partial.reserve(rows * dim);
+    }
+  }
+  std::size_t bytes() const {
+    return wide0.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes();
   }
 };
 }  // namespace detail
@@ -103,7 +112,8 @@ class GPT2Block {
   // its hidden size (c_fc column-parallel, c_proj row-parallel); the LayerNorms and the
   // residual stream are whole on every rank.
   GPT2Block(const std::string& name, const GPT2Config& cfg, nn::TensorParallelGroup tp = {})
-      : dim_(cfg.dim),
+      : tp_(tp),
+        dim_(cfg.dim),
         heads_((tp.check_divides(cfg.heads, "heads"), cfg.heads / tp.size())),
         local_dim_(cfg.dim / tp.size()),
         ln1_(name + ".ln_1", cfg.dim),
@@ -115,44 +125,82 @@ class GPT2Block {
         fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
                  cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {}
 
-  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs.
+  // The scratch the forward uses to gather rows under sequence parallelism (the model
+  // shares its own; a block alone uses one it owns).
+  void use_scratch(detail::BlockScratch<T, Space>* scratch) { shared_ = scratch; }
+
+  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs. Under sequence
+  // parallelism x and out are this rank's rows of (B·S, C) (tp_.local_rows).
   void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_;
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
+    const bool sp = tp_.sequence_parallel();
+    detail::BlockScratch<T, Space>& s = scratch();
     reserve(batch, seq);
-    ln1_.forward(ctx, ln1_out_.data(), x, rows);
-    qkv_.forward(ctx, qkv_out_.data(), ln1_out_.data(), rows);
+    s.reserve(rows, C, sp);
+    ln1_.forward(ctx, ln1_out_.data(), x, local);
+    sync(ctx);
+    qkv_.forward(ctx, qkv_out_.data(), tp_.gather_rows(s.gathered.data(), ln1_out_.data(), rows, C), rows);
     Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, local_dim_, heads_);
-    proj_.forward(ctx, x_mid_.data(), att_out_.data(), rows);
-    Backend::add_inplace(ctx, x_mid_.data(), x, rows * C);
-    ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), rows);
-    fc_.forward_gelu(ctx, gelu_out_.data(), fc_out_.data(), ln2_out_.data(), rows);
-    fc_proj_.forward(ctx, out, gelu_out_.data(), rows);
-    Backend::add_inplace(ctx, out, x_mid_.data(), rows * C);
+    T* attn_partial = sp ? s.partial.data() : x_mid_.data();
+    proj_.forward_partial(ctx, attn_partial, att_out_.data(), rows);
+    tp_.reduce_rows(x_mid_.data(), attn_partial, rows, C);  // "g"
+    Backend::add_inplace(ctx, x_mid_.data(), x, local * C);
+    ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), local);
+    sync(ctx);
+    fc_.forward_gelu(ctx, gelu_out_.data(), fc_out_.data(), tp_.gather_rows(s.gathered.data(), ln2_out_.data(), rows, C),
+                     rows);
+    T* mlp_partial = sp ? s.partial.data() : out;
+    fc_proj_.forward_partial(ctx, mlp_partial, gelu_out_.data(), rows);
+    tp_.reduce_rows(out, mlp_partial, rows, C);  // "g"
+    Backend::add_inplace(ctx, out, x_mid_.data(), local * C);
   }
 
-  // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate.
+  // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate
+  // (under sequence parallelism, the LayerNorms' only over this rank's rows: the model's
+  // finish_gradients() sums them over the group). dx, dout, x: this rank's rows.
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
                 detail::BlockScratch<T, Space>& s) {
-    const std::int64_t rows = batch * seq, C = dim_;
-    fc_proj_.backward_through_gelu(ctx, s.wide0.data(), dout, gelu_out_.data(), fc_out_.data(), rows);
-    fc_.backward(ctx, s.c0.data(), s.wide0.data(), ln2_out_.data(), rows);
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
+    const bool sp = tp_.sequence_parallel();
+    s.reserve(rows, C, sp);
+    sync(ctx);
+    // MLP. The row-parallel layer sees every row of dout ("g" backward).
+    const T* dy = tp_.gather_rows(s.gathered.data(), dout, rows, C);
+    fc_proj_.backward_through_gelu(ctx, s.wide0.data(), dy, gelu_out_.data(), fc_out_.data(), rows);
+    sync(ctx);
+    T* dln2 = sp ? s.partial.data() : s.c0.data();
+    fc_.backward_partial(ctx, dln2, s.wide0.data(), tp_.gather_rows(s.gathered.data(), ln2_out_.data(), rows, C),
+                         rows);
+    tp_.reduce_rows(s.c0.data(), dln2, rows, C);  // "f" backward
     T* dx_mid = s.c1.data();
-    ln2_.backward(ctx, dx_mid, s.c0.data(), x_mid_.data(), rows);
-    Backend::add_inplace(ctx, dx_mid, dout, rows * C);  // the residual path
-    proj_.backward(ctx, s.c0.data(), dx_mid, att_out_.data(), rows);
+    ln2_.backward(ctx, dx_mid, s.c0.data(), x_mid_.data(), local);
+    Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
+    sync(ctx);
+    // Attention.
+    proj_.backward(ctx, s.c0.data(), tp_.gather_rows(s.gathered.data(), dx_mid, rows, C), att_out_.data(), rows);
     Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
                                 seq, local_dim_, heads_);
-    qkv_.backward(ctx, s.c0.data(), s.qkv.data(), ln1_out_.data(), rows);
-    ln1_.backward(ctx, dx, s.c0.data(), x, rows);
-    Backend::add_inplace(ctx, dx, dx_mid, rows * C);  // the residual path
+    T* dln1 = sp ? s.partial.data() : s.c0.data();
+    qkv_.backward_partial(ctx, dln1, s.qkv.data(), tp_.gather_rows(s.gathered.data(), ln1_out_.data(), rows, C),
+                          rows);
+    tp_.reduce_rows(s.c0.data(), dln1, rows, C);  // "f" backward
+    ln1_.backward(ctx, dx, s.c0.data(), x, local);
+    Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
+  }
+
+  // The parameters whose gradients are partial sums over the tp group under sequence
+  // parallelism (the LayerNorms, which see only this rank's rows).
+  template <class Visit>
+  void sequence_parallel_parameters(Visit&& visit) {
+    ln1_.parameters(visit);
+    ln2_.parameters(visit);
   }
 
   // The Layer concept's backward (nn/layer.hpp): the same, with a scratch this block
   // owns, allocated on first use; GPT2 itself passes its shared scratch to the overload
   // above.
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
-    own_scratch_.reserve(batch * seq, dim_);
-    backward(ctx, dx, dout, x, batch, seq, own_scratch_);
+    backward(ctx, dx, dout, x, batch, seq, scratch());
   }
 
   template <class Visit>
@@ -171,18 +219,25 @@ class GPT2Block {
   }
 
  private:
+  detail::BlockScratch<T, Space>& scratch() { return shared_ != nullptr ? *shared_ : own_scratch_; }
+  // Host-side communication reads what the kernels wrote: wait for them first.
+  void sync(Context& ctx) const {
+    if (tp_.split()) Backend::synchronize(ctx);
+  }
+
   void reserve(std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_, Cl = local_dim_;
-    ln1_out_.reserve(rows * C);
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_;
+    ln1_out_.reserve(local * C);
     qkv_out_.reserve(rows * 3 * Cl);
     att_out_.reserve(rows * Cl);
     lse_.reserve(batch * heads_ * seq);
-    x_mid_.reserve(rows * C);
-    ln2_out_.reserve(rows * C);
+    x_mid_.reserve(local * C);
+    ln2_out_.reserve(local * C);
     fc_out_.reserve(rows * 4 * Cl);
     gelu_out_.reserve(rows * 4 * Cl);
   }
 
+  nn::TensorParallelGroup tp_;
   std::int64_t dim_;
   std::int64_t heads_;      // this rank's heads: NH / tp
   std::int64_t local_dim_;  // this rank's attention channels and a quarter of its MLP width: C / tp
@@ -192,16 +247,18 @@ class GPT2Block {
   nn::LayerNorm<T, Backend> ln2_;
   nn::ColumnParallelLinear<T, Backend> fc_;
   nn::RowParallelLinear<T, Backend> fc_proj_;
-  // Activations kept for backward (Cl = C / tp).
-  Buffer<T, Space> ln1_out_;   // (B, S, C)
+  // Activations kept for backward (Cl = C / tp; Rl = B·S, or B·S / tp under sequence
+  // parallelism).
+  Buffer<T, Space> ln1_out_;   // (Rl, C)
   Buffer<T, Space> qkv_out_;   // (B, S, 3Cl)
   Buffer<T, Space> att_out_;   // (B, S, Cl)
   Buffer<Acc, Space> lse_;     // (B, NH/tp, S)
-  Buffer<T, Space> x_mid_;     // (B, S, C)  residual after attention
-  Buffer<T, Space> ln2_out_;   // (B, S, C)
+  Buffer<T, Space> x_mid_;     // (Rl, C)  residual after attention
+  Buffer<T, Space> ln2_out_;   // (Rl, C)
   Buffer<T, Space> fc_out_;    // (B, S, 4Cl)
   Buffer<T, Space> gelu_out_;  // (B, S, 4Cl)
-  detail::BlockScratch<T, Space> own_scratch_;  // only for the 6-argument backward
+  detail::BlockScratch<T, Space> own_scratch_;        // a block used alone
+  detail::BlockScratch<T, Space>* shared_ = nullptr;  // the model's, when it set one
 };
 
 template <class T, class Backend = backend::Cpu>
@@ -220,6 +277,7 @@ class GPT2 {
     wpe_ = nn::Parameter<T>("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
     for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg, tp);
+    for (auto& block : blocks_) block.use_scratch(&scratch_);
     store_.bind(*this);
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
@@ -248,21 +306,36 @@ class GPT2 {
                  "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
     backward_ready_ = false;
     const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    scratch_.reserve(rows, C);
-    dres_[0].reserve(rows * C);
-    dres_[1].reserve(rows * C);
-    // LM head, tied to wte: logits = lnf_out · wteᵀ.
+    const std::int64_t local = tp_.local_rows(rows), first = tp_.first_row(rows);
+    scratch_.reserve(rows, C, tp_.sequence_parallel());
+    dres_[0].reserve(local * C);
+    dres_[1].reserve(local * C);
+    // LM head, tied to wte: logits = lnf_out · wteᵀ, on every row (whole on every rank).
     T* dlnf = scratch_.c0.data();
     Backend::template gemm<T>(ctx, dlnf, logits_.data(), wte_.value, nullptr, rows, C, cfg_.padded_vocab, {});
     Backend::template gemm<T>(ctx, wte_.grad, logits_.data(), lnf_out_.data(), nullptr, cfg_.padded_vocab, C, rows,
                               {.trans_a = true, .trans_b = false, .accumulate = true});
-    lnf_.backward(ctx, dres_[0].data(), dlnf, residual(L), rows);
+    lnf_.backward(ctx, dres_[0].data(), dlnf + first * C, residual(L), local);  // this rank's rows
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq, scratch_);
     }
-    Backend::encoder_backward(ctx, wte_.grad, wpe_.grad, dres_[L % 2].data(), tokens_.data(), batch, seq, C);
+    // The embeddings are whole on every rank: they take the gradient of every row.
+    if (tp_.sequence_parallel()) Backend::synchronize(ctx);
+    const T* dembedding = tp_.gather_rows(scratch_.gathered.data(), dres_[L % 2].data(), rows, C);
+    Backend::encoder_backward(ctx, wte_.grad, wpe_.grad, dembedding, tokens_.data(), batch, seq, C);
+  }
+
+  // Completes the gradients of a step, after its last micro-batch's backward: under
+  // sequence parallelism the LayerNorms' gradients are partial sums over the tp group
+  // (each rank normalised only its rows), summed here.
+  void finish_gradients(Context& ctx) {
+    if (!tp_.sequence_parallel()) return;
+    Backend::synchronize(ctx);
+    const auto sum = [&](nn::Parameter<T>& p) { tp_.all_reduce(p.grad, p.numel()); };
+    for (auto& block : blocks_) block.sequence_parallel_parameters(sum);
+    lnf_.parameters(sum);
   }
 
   // Mean loss without touching any gradient state.
@@ -302,36 +375,52 @@ class GPT2 {
 
   // Bytes of activations and activation gradients currently allocated.
   std::size_t activation_bytes() const {
-    std::size_t n = residual_.bytes() + lnf_out_.bytes() + logits_.bytes() + losses_.bytes() + dres_[0].bytes() +
-                    dres_[1].bytes() + scratch_.wide0.bytes() + scratch_.qkv.bytes() +
-                    scratch_.c0.bytes() + scratch_.c1.bytes() + lnf_.activation_bytes();
+    std::size_t n = residual_.bytes() + lnf_out_.bytes() + lnf_local_.bytes() + logits_.bytes() + losses_.bytes() +
+                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + lnf_.activation_bytes();
     for (const auto& b : blocks_) n += b.activation_bytes();
     return n;
   }
 
  private:
-  T* residual(std::int64_t l) { return residual_.data() + l * batch_ * seq_ * cfg_.dim; }
+  T* residual(std::int64_t l) { return residual_.data() + l * tp_.local_rows(batch_ * seq_) * cfg_.dim; }
 
   void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
     LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
                  "]; the model was built for at most --seq ", cfg_.max_seq);
+    tp_.check_sequence(seq);
     batch_ = batch;
     seq_ = seq;
     const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
+    const std::int64_t local = tp_.local_rows(rows), first = tp_.first_row(rows);
     for (std::int64_t i = 0; i < rows; ++i)
       LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
                    " is outside the vocabulary [0, ", cfg_.vocab, ")");
     tokens_.reserve(rows);
     Backend::upload(ctx, tokens_.data(), tokens, rows);
-    residual_.reserve((L + 1) * rows * C);
+    residual_.reserve((L + 1) * local * C);
     lnf_out_.reserve(rows * C);
     logits_.reserve(rows * cfg_.padded_vocab);
     losses_.reserve(rows);
-    Backend::encoder_forward(ctx, residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
+    if (tp_.sequence_parallel()) {
+      // Every rank embeds every row (the tables are whole) and keeps its own rows.
+      scratch_.reserve(rows, C, true);
+      lnf_local_.reserve(local * C);
+      Backend::encoder_forward(ctx, scratch_.gathered.data(), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
+      Backend::copy(ctx, residual(0), scratch_.gathered.data() + first * C, local * C);
+    } else {
+      Backend::encoder_forward(ctx, residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
+    }
     for (std::int64_t l = 0; l < L; ++l)
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-    lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
+    if (tp_.sequence_parallel()) {
+      // The final norm on this rank's rows, then every row gathered for the LM head.
+      lnf_.forward(ctx, lnf_local_.data(), residual(L), local);
+      Backend::synchronize(ctx);
+      tp_.gather_rows(lnf_out_.data(), lnf_local_.data(), rows, C);
+    } else {
+      lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
+    }
     Backend::template gemm<T>(ctx, logits_.data(), lnf_out_.data(), wte_.value, nullptr, rows, cfg_.padded_vocab, C,
                               {.trans_a = false, .trans_b = true, .accumulate = false});
   }
@@ -367,8 +456,10 @@ class GPT2 {
   bool backward_ready_ = false;
   Buffer<std::int32_t, Space> tokens_;   // (B, S)
   Buffer<std::int32_t, Space> targets_;  // (B, S)
-  Buffer<T, Space> residual_;            // (L+1, B, S, C): the input of every block, and the last output
+  Buffer<T, Space> residual_;            // (L+1, Rl, C): the input of every block, and the last output
+                                         // (Rl = B·S, or this rank's B·S/tp under sequence parallelism)
   Buffer<T, Space> lnf_out_;             // (B, S, C)
+  Buffer<T, Space> lnf_local_;           // (Rl, C) sequence parallelism only: this rank's normed rows
   Buffer<T, Space> logits_;              // (B, S, Vp); holds ∂loss/∂logits after a training forward
   Buffer<Acc, Space> losses_;            // (B, S)
   Buffer<Acc> host_losses_;              // (B, S) on the host

@@ -24,6 +24,15 @@
 // layout the attention kernels read (C/tp channels of q, then of k, then of v).
 //
 // A null group (or one of size 1) is the serial layer: no split, no communication.
+//
+// Sequence parallelism (Korthikanti et al. 2022). With SequenceParallel::on the regions
+// between the tensor-parallel pairs (LayerNorm, residual adds) hold 1/tp of the rows
+// instead of all of them: "f" becomes an all-gather of the rows before the
+// column-parallel layer (a reduce-scatter in backward) and "g" a reduce-scatter after the
+// row-parallel one (an all-gather in backward). Same bytes on the wire as the two
+// all-reduces, and the activations of those regions shrink by tp. The group's
+// gather_rows / reduce_rows are that choice; a model calls them around the layers'
+// partial forms (forward_partial / backward_partial), which do no communication.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +44,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/parallel/compose.hpp"
 
 namespace llmpar::nn {
 
@@ -42,11 +52,58 @@ namespace llmpar::nn {
 class TensorParallelGroup {
  public:
   TensorParallelGroup() = default;
-  explicit TensorParallelGroup(comm::Comm* group) : group_(group && group->size() > 1 ? group : nullptr) {}
+  explicit TensorParallelGroup(comm::Comm* group, parallel::SequenceParallel sp = parallel::SequenceParallel::off)
+      : group_(group && group->size() > 1 ? group : nullptr), sp_(group_ ? sp : parallel::SequenceParallel::off) {}
 
   int size() const { return group_ ? group_->size() : 1; }
   int rank() const { return group_ ? group_->rank() : 0; }
   bool split() const { return group_ != nullptr; }
+  bool sequence_parallel() const { return sp_ == parallel::SequenceParallel::on; }
+
+  // Rows this rank holds in a sequence-parallel region of `rows` rows, and the first.
+  std::int64_t local_rows(std::int64_t rows) const { return sequence_parallel() ? rows / size() : rows; }
+  std::int64_t first_row(std::int64_t rows) const { return sequence_parallel() ? rank() * (rows / size()) : 0; }
+
+  // Enters a tensor-parallel region ("f" forward): returns `rows` whole rows of width
+  // `width`. Without sequence parallelism `local` already holds them; with it, the
+  // ranks' row slices are gathered into `full`, in rank order.
+  template <class T>
+  const T* gather_rows(T* full, const T* local, std::int64_t rows, std::int64_t width) const {
+    if (!sequence_parallel()) return local;
+    const std::int64_t n = local_rows(rows) * width;
+    if constexpr (kCarried<T>) {
+      group_->all_gather(std::span<const T>(local, static_cast<std::size_t>(n)),
+                         std::span<T>(full, static_cast<std::size_t>(n * size())));
+    } else {
+      not_carried(sizeof(T));
+    }
+    return full;
+  }
+  // Leaves a tensor-parallel region ("g" forward, "f" backward): `partial` holds this
+  // rank's partial sums of `rows` rows; out receives the sums of this rank's rows (all
+  // of them, in place, without sequence parallelism; its slice with it).
+  template <class T>
+  void reduce_rows(T* out, T* partial, std::int64_t rows, std::int64_t width) const {
+    if (!split()) return;
+    if (!sequence_parallel()) {
+      all_reduce(partial, rows * width);
+      return;
+    }
+    const std::int64_t n = local_rows(rows) * width;
+    if constexpr (kCarried<T>) {
+      group_->reduce_scatter(std::span<const T>(partial, static_cast<std::size_t>(n * size())),
+                             std::span<T>(out, static_cast<std::size_t>(n)));
+    } else {
+      not_carried(sizeof(T));
+    }
+  }
+
+  // Fails naming the sequence length when sequence parallelism cannot split it.
+  void check_sequence(std::int64_t seq) const {
+    LLMPAR_CHECK(!sequence_parallel() || seq % size() == 0, "sequence length ", seq,
+                 " is not divisible by the tensor-parallel degree ", size(),
+                 " (sequence parallelism splits the sequence); use a --seq that is a multiple of ", size());
+  }
 
   // The Split of a dimension cut into size() parts, this rank's part.
   Split along(int dim, int groups = 1) const { return split() ? Split{dim, size(), rank(), groups} : Split{}; }
@@ -55,11 +112,10 @@ class TensorParallelGroup {
   template <class T>
   void all_reduce(T* x, std::int64_t n) const {
     if (group_ == nullptr) return;
-    if constexpr (requires { group_->all_reduce(std::span<T>(x, static_cast<std::size_t>(n))); }) {
+    if constexpr (kCarried<T>) {
       group_->all_reduce(std::span<T>(x, static_cast<std::size_t>(n)));
     } else {
-      LLMPAR_FAIL("a tensor-parallel layer stores a type the communicators cannot carry (", sizeof(T),
-                  "-byte elements); split float, bf16 or f16 models (double models run unsplit)");
+      not_carried(sizeof(T));
     }
   }
 
@@ -70,7 +126,17 @@ class TensorParallelGroup {
   }
 
  private:
+  // The element types the communicators carry; a double model (the finite-difference
+  // tests) compiles against the group but runs unsplit.
+  template <class T>
+  static constexpr bool kCarried = requires(comm::Comm& c, std::span<T> x) { c.all_reduce(x); };
+  [[noreturn]] static void not_carried(std::size_t bytes) {
+    LLMPAR_FAIL("a tensor-parallel layer stores a type the communicators cannot carry (", bytes,
+                "-byte elements); split float, bf16 or f16 models (double models run unsplit)");
+  }
+
   comm::Comm* group_ = nullptr;
+  parallel::SequenceParallel sp_ = parallel::SequenceParallel::off;
 };
 
 // y_local (rows, out/tp) = x (rows, in) · W_localᵀ + b_local.
@@ -88,6 +154,13 @@ class ColumnParallelLinear {
   // act = gelu(pre), pre = x · W_localᵀ + b_local: the first half of a tensor-parallel MLP.
   void forward_gelu(Context& ctx, T* act, T* pre, const T* x, std::int64_t rows) const {
     linear_.forward_gelu(ctx, act, pre, x, rows);
+  }
+
+  // This rank's partial dx (rows, in) = dy_local · W_local, not yet summed over the
+  // group (the model sums it with TensorParallelGroup::reduce_rows); dW, db accumulate.
+  void backward_partial(Context& ctx, T* dx_partial, const T* dy, const T* x, std::int64_t rows) {
+    linear_.backward(ctx, dx_partial, dy, x, rows);
+    if (tp_.split()) Backend::synchronize(ctx);
   }
 
   // dx (rows, in) = Σ_ranks dy_local · W_local (the all-reduce of "f"); dW, db of this
@@ -122,6 +195,16 @@ class RowParallelLinear {
                     float init_std, TensorParallelGroup tp)
       : tp_((tp.check_divides(in_features, (name + " input features").c_str()), tp)),
         linear_(name, in_features, out_features, has_bias, init_std, tp.along(1), Split{}) {}
+
+  // This rank's partial y (rows, out) = x_local · W_localᵀ (+ b on rank 0), not yet
+  // summed over the group (the model sums it with TensorParallelGroup::reduce_rows).
+  void forward_partial(Context& ctx, T* y_partial, const T* x, std::int64_t rows) const {
+    const bool bias = linear_.has_bias() && tp_.rank() == 0;  // added once, before the sum
+    Backend::template gemm<T>(ctx, y_partial, x, linear_.weight().value, bias ? linear_.bias().value : nullptr, rows,
+                              linear_.out_features(), linear_.in_features(),
+                              {.trans_a = false, .trans_b = true, .accumulate = false});
+    if (tp_.split()) Backend::synchronize(ctx);
+  }
 
   void forward(Context& ctx, T* y, const T* x, std::int64_t rows) const {
     const bool bias = linear_.has_bias() && tp_.rank() == 0;  // added once, before the sum

@@ -36,10 +36,22 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
   Buffer<Acc> probs(mc.vocab);
   Buffer<float> row(mc.padded_vocab);
   const rng::Stream stream = rng::Stream::named(cfg.seed, "sample");
+  // A model split by sequence parallelism takes sequences of a multiple of its degree:
+  // the window is padded on the right, which a causal model's earlier positions ignore.
+  std::int64_t multiple = 1;
+  if constexpr (requires { model.tensor_parallel(); }) {
+    if (model.tensor_parallel().sequence_parallel()) multiple = model.tensor_parallel().size();
+  }
+  const std::int64_t longest = mc.max_seq - mc.max_seq % multiple;
+  LLMPAR_CHECK(longest > 0, "sampling needs sequences of a multiple of ", multiple, " tokens, longer than the model's ",
+               mc.max_seq);
+  std::vector<std::int32_t> window;
   for (std::int64_t i = 0; i < cfg.tokens; ++i) {
-    const std::int64_t len = std::min<std::int64_t>(static_cast<std::int64_t>(prompt.size()), mc.max_seq);
-    const std::int32_t* window = prompt.data() + prompt.size() - len;
-    const float* logits = model.logits(ctx, window, 1, len) + (len - 1) * mc.padded_vocab;
+    const std::int64_t len = std::min<std::int64_t>(static_cast<std::int64_t>(prompt.size()), longest);
+    const std::int64_t padded = (len + multiple - 1) / multiple * multiple;
+    window.assign(prompt.end() - len, prompt.end());
+    window.resize(static_cast<std::size_t>(padded), 0);
+    const float* logits = model.logits(ctx, window.data(), 1, padded) + (len - 1) * mc.padded_vocab;
     Backend::download(ctx, row.data(), logits, mc.padded_vocab);
     backend::cpu::softmax_forward(probs.data(), row.data(), mc.vocab, static_cast<Acc>(cfg.temperature));
     const double u = stream.uniform(static_cast<std::uint64_t>(i));

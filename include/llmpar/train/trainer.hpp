@@ -102,6 +102,7 @@ class Trainer {
       model_.backward(ctx_);
     }
     loss /= static_cast<double>(cfg_.grad_accum);
+    if constexpr (requires { model_.finish_gradients(ctx_); }) model_.finish_gradients(ctx_);
     if (replicas_) {
       auto& store = model_.parameter_store();
       replicas_->all_reduce(std::span<float>(store.grads(), store.flat_size()), comm::ReduceOp::avg);

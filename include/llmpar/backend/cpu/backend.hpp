@@ -19,6 +19,7 @@
 #include "llmpar/backend/cpu/gelu.hpp"
 #include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/backend/cpu/layernorm.hpp"
+#include "llmpar/backend/cpu/rmsnorm.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/optim/adamw.hpp"
 
@@ -68,6 +69,17 @@ struct Cpu {
   static void layernorm_backward(Context&, T* dx, T* dweight, T* dbias, const T* dout, const T* x, const T* weight,
                                  const Acc<T>* mean, const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
     cpu::layernorm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, C);
+  }
+  // out (rows, C) = x * rstd * weight (RMSNorm, no mean, no bias); rstd saved for backward.
+  template <class T>
+  static void rmsnorm_forward(Context&, T* out, Acc<T>* rstd, const T* x, const T* weight, std::int64_t rows,
+                              std::int64_t C, float eps) {
+    cpu::rmsnorm_forward(out, rstd, x, weight, rows, C, eps);
+  }
+  template <class T>
+  static void rmsnorm_backward(Context&, T* dx, T* dweight, const T* dout, const T* x, const T* weight,
+                               const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
+    cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, rows, C);
   }
   template <class T>
   static void attention_forward(Context&, T* out, Acc<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
@@ -125,6 +137,11 @@ struct Cpu {
   template <class T>
   static void download(Context&, T* host, const T* src, std::int64_t n) {
     if (n > 0) std::memcpy(static_cast<void*>(host), src, static_cast<std::size_t>(n) * sizeof(T));
+  }
+  // dst (n) = src (n), both in this backend's memory.
+  template <class T>
+  static void copy(Context&, T* dst, const T* src, std::int64_t n) {
+    if (n > 0) std::memcpy(static_cast<void*>(dst), src, static_cast<std::size_t>(n) * sizeof(T));
   }
   static void synchronize(Context&) {}
 };

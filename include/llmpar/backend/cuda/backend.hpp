@@ -184,6 +184,18 @@ struct Cuda {
     float* workspace = ctx.scratch_floats(kernels::layernorm_backward_workspace(rows, C));
     kernels::layernorm_backward(ctx.stream(), dx, dweight, dbias, dout, x, weight, mean, rstd, workspace, rows, C);
   }
+  // out (rows, C) = x * rstd * weight (RMSNorm, no mean, no bias); rstd saved for backward.
+  template <class T>
+  static void rmsnorm_forward(Context& ctx, T* out, float* rstd, const T* x, const T* weight, std::int64_t rows,
+                              std::int64_t C, float eps) {
+    kernels::rmsnorm_forward(ctx.stream(), out, rstd, x, weight, rows, C, eps);
+  }
+  template <class T>
+  static void rmsnorm_backward(Context& ctx, T* dx, T* dweight, const T* dout, const T* x, const T* weight,
+                               const float* rstd, std::int64_t rows, std::int64_t C) {
+    float* workspace = ctx.scratch_floats(kernels::rmsnorm_backward_workspace(rows, C));
+    kernels::rmsnorm_backward(ctx.stream(), dx, dweight, dout, x, weight, rstd, workspace, rows, C);
+  }
   template <class T>
   static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
                                 std::int64_t C, std::int64_t NH) {
@@ -249,6 +261,13 @@ struct Cuda {
       LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost,
                                         ctx.stream()));
     ctx.synchronize();
+  }
+  // dst (n) = src (n), both in device memory, in the compute stream's order.
+  template <class T>
+  static void copy(Context& ctx, T* dst, const T* src, std::int64_t n) {
+    if (n > 0)
+      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice,
+                                        ctx.stream()));
   }
   static void synchronize(Context& ctx) { ctx.synchronize(); }
 };
