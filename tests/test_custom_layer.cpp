@@ -17,8 +17,12 @@
 #include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/nn/rmsnorm.hpp"
+#include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
+using tp_test::relative_difference;
+using tp_test::Run;
+using tp_test::train_five_steps;
 using custom_layer::LlamaConfig;
 using custom_layer::LlamaModel;
 
@@ -212,68 +216,6 @@ TEST_CASE("the LLaMA model's gradients of every parameter match central finite d
   MESSAGE("checked ", checked, " gradient elements; worst relative error ", worst);
   CHECK(checked > 150);
 }
-
-namespace {
-
-struct Run {
-  std::vector<double> losses;
-  std::vector<std::vector<float>> params;  // per parameter, the full tensor
-  std::vector<std::string> names;
-};
-
-// Five training steps on fixed batches; the parameters are gathered into full tensors
-// at their full-tensor positions (each rank writes its slice).
-void train_five_steps(LlamaModel<float>& model, Run& run, std::mutex& mutex, bool lead) {
-  backend::cpu::Context ctx;
-  // eps = 1e-2 keeps the update a smooth function of the gradient: with a tiny eps,
-  // Adam turns rounding noise in a gradient that is (nearly) zero in exact arithmetic
-  // into a full ±lr step, in the serial run and the parallel one alike, but not the
-  // same step. (tests/test_gpt2_tensor_parallel.cpp: there it is GPT-2's key bias,
-  // which softmax ignores; this model has no biases, but the same comparison should
-  // test the split, not Adam's amplification of rounding.)
-  optim::AdamW<float> opt(model.parameter_store(),
-                          {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
-  opt.set_model_parallel(model.tensor_parallel());
-  const std::int64_t B = 3, S = 16, V = model.config().vocab;
-  std::vector<std::int32_t> tokens(B * S), targets(B * S);
-  std::vector<double> losses;
-  for (int step = 0; step < 5; ++step) {
-    const auto stream = rng::Stream::named(static_cast<std::uint64_t>(step), "batch");
-    for (std::int64_t i = 0; i < B * S; ++i) {
-      tokens[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % V);
-      targets[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[1] % V);
-    }
-    model.zero_grad();
-    losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
-    model.backward(ctx);
-    opt.step(1e-2f);
-  }
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (lead) run.losses = losses;
-  const auto params = model.parameter_store().parameters();
-  run.params.resize(params.size());
-  run.names.resize(params.size());
-  for (std::size_t k = 0; k < params.size(); ++k) {
-    const nn::Parameter<float>& p = *params[k];
-    run.names[k] = p.name;
-    run.params[k].resize(static_cast<std::size_t>(p.full_numel()));
-    for (std::int64_t i = 0; i < p.numel(); ++i)
-      run.params[k][static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = p.value[i];
-  }
-}
-
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
-  }
-  return worst / std::max(scale, 1e-30);
-}
-
-}  // namespace
 
 TEST_CASE("the LLaMA model split over 1, 2 and 4 tensor-parallel ranks trains as the serial model") {
   std::mutex mutex;

@@ -20,8 +20,11 @@
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
+#include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
+using tp_test::relative_difference;
+using tp_test::Run;
 
 namespace {
 
@@ -29,62 +32,6 @@ models::GPT2Config config() {
   return {.layers = 2, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
 }
 
-struct Run {
-  std::vector<double> losses;
-  std::vector<std::vector<float>> params;  // per parameter, the full tensor
-  std::vector<std::string> names;
-};
-
-// Five training steps of `model` on fixed batches; the parameters are gathered into
-// full tensors at their full-tensor positions (each rank writes its slice).
-template <class Model>
-void train(Model& model, Run& run, std::mutex& mutex, bool lead) {
-  backend::cpu::Context ctx;
-  // eps = 1e-2 keeps the update a smooth function of the gradient: with a tiny eps,
-  // Adam turns rounding noise in a gradient that is zero in exact arithmetic (the key
-  // bias: softmax ignores a constant added to every score of a row) into a full ±lr
-  // step, in the serial run and the parallel one alike, but not the same step.
-  optim::AdamW<float> opt(model.parameter_store(),
-                          {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
-  opt.set_model_parallel(model.tensor_parallel());
-  const std::int64_t B = 3, S = 16, V = model.config().vocab;
-  std::vector<std::int32_t> tokens(B * S), targets(B * S);
-  std::vector<double> losses;
-  for (int step = 0; step < 5; ++step) {
-    const auto stream = rng::Stream::named(static_cast<std::uint64_t>(step), "batch");
-    for (std::int64_t i = 0; i < B * S; ++i) {
-      tokens[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % V);
-      targets[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[1] % V);
-    }
-    model.zero_grad();
-    losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
-    model.backward(ctx);
-    model.finish_gradients(ctx);
-    opt.step(1e-2f);
-  }
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (lead) run.losses = losses;
-  const auto params = model.parameter_store().parameters();
-  run.params.resize(params.size());
-  run.names.resize(params.size());
-  for (std::size_t k = 0; k < params.size(); ++k) {
-    const nn::Parameter<float>& p = *params[k];
-    run.names[k] = p.name;
-    run.params[k].resize(static_cast<std::size_t>(p.full_numel()));
-    for (std::int64_t i = 0; i < p.numel(); ++i)
-      run.params[k][static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = p.value[i];
-  }
-}
-
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
-  }
-  return worst / std::max(scale, 1e-30);
-}
 
 }  // namespace
 
@@ -93,7 +40,7 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
   Run serial;
   {
     models::GPT2<float> model(config(), 99);
-    train(model, serial, mutex, true);
+    tp_test::train_five_steps(model, serial, mutex, true);
   }
   for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on})
   for (int tp : {1, 2, 4}) {
@@ -101,7 +48,7 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
       models::GPT2<float> model(config(), 99, nn::TensorParallelGroup(&world, sp));
-      train(model, parallel, mutex, world.rank() == 0);
+      tp_test::train_five_steps(model, parallel, mutex, world.rank() == 0);
     });
     const bool sequence_parallel = sp == parallel::SequenceParallel::on;
     INFO("tp = " << tp << (sequence_parallel ? ", sequence parallel" : ""));

@@ -18,8 +18,10 @@
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
+#include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
+using tp_test::relative_difference;
 
 namespace {
 
@@ -41,15 +43,6 @@ void on_ranks(int ranks, Body&& body) {
   });
 }
 
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
-  }
-  return worst / std::max(scale, 1e-30);
-}
 
 // A two-layer MLP: y = proj(gelu(fc(x))), split over `tp` (serial when tp is empty).
 struct Mlp {
@@ -105,9 +98,7 @@ void run_mlp(Mlp& mlp, std::int64_t rows, std::int64_t C, MlpResult& out, std::m
   out.grads.resize(params.size());
   for (std::size_t k = 0; k < params.size(); ++k) {
     const nn::Parameter<float>& p = *params[k];
-    out.grads[k].resize(static_cast<std::size_t>(p.full_numel()));
-    for (std::int64_t i = 0; i < p.numel(); ++i)
-      out.grads[k][static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = p.grad[i];
+    tp_test::scatter_to_full(p, p.grad, out.grads[k]);
   }
 }
 
