@@ -25,16 +25,16 @@
 // it would poison the weights visibly rather than train on a wrong target silently.
 //
 // Vocabulary parallel. With the vocabulary split over tensor-parallel ranks, rank i holds
-// columns [v0, v0 + Vlocal) of every row. vocab_parallel_cross_entropy_stats gives each
-// row's OnlineSoftmax over the local columns and the target's logit if this rank holds
-// it (else 0); the caller combines the stats over ranks in rank order
-// (OnlineSoftmax::combine, ((s0 + s1) + s2) ...) and sums the target logits (one rank
-// contributes a nonzero value), then vocab_parallel_cross_entropy_finish writes losses
-// and the local dlogits. The local slice has no padding: every one of its Vlocal
-// columns is vocabulary. A negative target gives a NaN target logit and so NaN loss and
-// dlogits, as above; a target >= V (the full vocabulary) is local to no rank and cannot
-// be told from a valid one by these kernels, which do not know V — check targets < V
-// where they are produced (the data loader) when the vocabulary is split.
+// columns [v0, v0 + Vlocal) of every row; of those the first clamp(V - v0, 0, Vlocal)
+// are vocabulary and the rest padding. vocab_parallel_cross_entropy_stats writes, per
+// row, kVocabStats floats: this rank's OnlineSoftmax (max, sum) over its vocabulary
+// columns and the target's logit if this rank holds it (else 0). The caller all-gathers
+// them over the group into (ranks, rows, kVocabStats); vocab_parallel_cross_entropy_finish
+// combines them in rank order ((s0 + s1) + s2 ..., the same bits on every rank), sums
+// the target logits (one rank contributes a nonzero value), writes the loss and, when
+// asked, this rank's dlogits (0 on its padding columns). The arguments and the layout are
+// those of the CPU functions (backend/cpu/cross_entropy.hpp). A target outside [0, V)
+// gives a NaN target logit and so NaN loss and dlogits, as above.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,6 +53,7 @@ namespace llmpar::kernels {
 namespace detail::xent {
 
 inline constexpr int kThreads = 512;
+inline constexpr int kVocabStats = 3;  // per row: softmax max, softmax sum, target logit
 inline constexpr int kWarps = kThreads / kWarp;
 inline constexpr std::int64_t kMaxRows = std::numeric_limits<int>::max();              // one block per row
 inline constexpr std::int64_t kMaxColumns = std::numeric_limits<std::int32_t>::max();  // int32 targets
@@ -72,14 +73,19 @@ inline void check_shape(const char* who, std::int64_t rows, std::int64_t V, std:
   LLMPAR_CHECK(Vp <= kMaxColumns, who, ": Vp = ", Vp, " exceeds ", kMaxColumns, " (targets are int32)");
 }
 
-inline void check_slice(const char* who, std::int64_t rows, std::int64_t v0, std::int64_t Vlocal) {
+inline void check_slice(const char* who, std::int64_t rows, std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
   LLMPAR_CHECK(rows >= 0, who, ": rows = ", rows, "; it must be >= 0");
   LLMPAR_CHECK(rows <= kMaxRows, who, ": rows = ", rows, " is more than one grid of blocks (", kMaxRows,
                "); compute the loss in several calls");
-  LLMPAR_CHECK(v0 >= 0 && Vlocal >= 1, who, ": v0 = ", v0, ", Vlocal = ", Vlocal,
-               "; this rank's slice [v0, v0 + Vlocal) needs v0 >= 0 and Vlocal >= 1");
-  LLMPAR_CHECK(v0 + Vlocal <= kMaxColumns, who, ": v0 + Vlocal = ", v0 + Vlocal, " exceeds ", kMaxColumns,
-               " (targets are int32)");
+  LLMPAR_CHECK(V >= 1 && v0 >= 0 && Vlocal >= 1, who, ": V = ", V, ", v0 = ", v0, ", Vlocal = ", Vlocal,
+               "; this rank's slice [v0, v0 + Vlocal) of a vocabulary of V needs V >= 1, v0 >= 0 and Vlocal >= 1");
+  LLMPAR_CHECK(v0 + Vlocal <= kMaxColumns && V <= kMaxColumns, who, ": v0 + Vlocal = ", v0 + Vlocal, ", V = ", V,
+               "; both must be at most ", kMaxColumns, " (targets are int32)");
+}
+
+// Columns of the slice [v0, v0 + Vlocal) that are vocabulary (< V).
+inline std::int64_t vocab_columns(std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
+  return V - v0 < 0 ? 0 : (V - v0 < Vlocal ? V - v0 : Vlocal);
 }
 
 #if defined(__CUDACC__)
@@ -164,37 +170,51 @@ __global__ void __launch_bounds__(kThreads)
   if (grad != nullptr) write_dlogits(grad + row * Vp, x, V, Vp, lse, target, valid, dloss, vectorized);
 }
 
-// One block per row. logits: (rows, Vlocal), columns [v0, v0 + Vlocal) of the vocabulary;
-// stats, target_logit, targets: (rows).
+// One block per row. logits: (rows, Vlocal), columns [v0, v0 + Vlocal) of the padded
+// vocabulary, the first n_vocab of them vocabulary; stats: (rows, kVocabStats); targets: (rows).
 template <Storage T>
 __global__ void __launch_bounds__(kThreads)
-    vocab_parallel_stats_kernel(math::OnlineSoftmax<float>* stats, float* target_logit, const T* logits,
-                                const std::int32_t* targets, std::int64_t v0, int Vlocal, bool vectorized) {
+    vocab_parallel_stats_kernel(float* stats, const T* logits, const std::int32_t* targets, int V, std::int64_t v0,
+                                int Vlocal, int n_vocab, bool vectorized) {
   const std::int64_t row = blockIdx.x;
   const T* x = logits + row * Vlocal;  // (Vlocal)
-  const std::int64_t local = static_cast<std::int64_t>(targets[row]) - v0;
-  const float tl = targets[row] < 0 ? NAN : (local >= 0 && local < Vlocal ? load(x[local]) : 0.0f);
-  const math::OnlineSoftmax<float> st = block_stats(thread_stats(x, Vlocal, vectorized));
+  const std::int32_t target = targets[row];
+  const std::int64_t local = static_cast<std::int64_t>(target) - v0;
+  const bool valid = target >= 0 && target < V;
+  const float tl = !valid ? NAN : (local >= 0 && local < n_vocab ? load(x[local]) : 0.0f);
+  const math::OnlineSoftmax<float> st = block_stats(thread_stats(x, n_vocab, vectorized));
   if (threadIdx.x == 0) {
-    stats[row] = st;
-    target_logit[row] = tl;
+    float* out = stats + row * kVocabStats;
+    out[0] = st.max;
+    out[1] = st.sum;
+    out[2] = tl;
   }
 }
 
-// One block per row. logits: (rows, Vlocal), overwritten by dlogits; losses, global_stats,
-// target_logit, targets: (rows).
+// One block per row. gathered: (ranks, rows, kVocabStats); losses, targets: (rows);
+// logits, grad: (rows, Vlocal), grad null (loss only) or possibly logits.
 template <Storage T>
 __global__ void __launch_bounds__(kThreads)
-    vocab_parallel_finish_kernel(T* logits, float* losses, const math::OnlineSoftmax<float>* global_stats,
-                                 const float* target_logit, const std::int32_t* targets, std::int64_t v0, int Vlocal,
-                                 float dloss, bool vectorized) {
+    vocab_parallel_finish_kernel(T* grad, float* losses, const T* logits, const float* gathered, int ranks,
+                                 const std::int32_t* targets, std::int64_t rows, int V, std::int64_t v0, int Vlocal,
+                                 int n_vocab, float dloss, bool vectorized) {
   const std::int64_t row = blockIdx.x;
-  T* x = logits + row * Vlocal;  // (Vlocal)
-  const float lse = global_stats[row].log_sum_exp();
-  if (threadIdx.x == 0) losses[row] = lse - target_logit[row];
-  const std::int64_t local = static_cast<std::int64_t>(targets[row]) - v0;
-  const int onehot_at = local >= 0 && local < Vlocal ? static_cast<int>(local) : -1;
-  write_dlogits(x, x, Vlocal, Vlocal, lse, onehot_at, targets[row] >= 0, dloss, vectorized);
+  // Every thread combines the ranks' states in rank order: the same bits everywhere.
+  math::OnlineSoftmax<float> total;
+  float target_logit = 0.0f;
+  for (int k = 0; k < ranks; ++k) {
+    const float* st = gathered + (static_cast<std::int64_t>(k) * rows + row) * kVocabStats;
+    total.combine(math::OnlineSoftmax<float>{st[0], st[1]});
+    target_logit += st[2];
+  }
+  const float lse = total.log_sum_exp();
+  if (threadIdx.x == 0) losses[row] = lse - target_logit;
+  if (grad == nullptr) return;
+  const std::int32_t target = targets[row];
+  const std::int64_t local = static_cast<std::int64_t>(target) - v0;
+  const int onehot_at = local >= 0 && local < n_vocab ? static_cast<int>(local) : -1;
+  write_dlogits(grad + row * Vlocal, logits + row * Vlocal, n_vocab, Vlocal, lse, onehot_at,
+                target >= 0 && target < V, dloss, vectorized);
 }
 
 #endif  // __CUDACC__
@@ -238,46 +258,48 @@ void cross_entropy_forward(cudaStream_t stream, float* losses, const T* logits, 
   LLMPAR_CHECK_LAUNCH(kWho);
 }
 
-// Per row: stats (rows) of math::OnlineSoftmax<float> over the local columns, and
-// target_logit (rows) = the target's logit if it is local, else 0 (NaN for a negative
-// target). logits: (rows, Vlocal), this rank's columns [v0, v0 + Vlocal).
+// Per row, stats (rows, kVocabStats): this rank's softmax (max, sum) over its vocabulary
+// columns and the target's logit if it holds it (else 0; NaN for a target outside
+// [0, V)). logits: (rows, Vlocal), this rank's columns [v0, v0 + Vlocal); targets: (rows).
 template <Storage T>
-void vocab_parallel_cross_entropy_stats(cudaStream_t stream, math::OnlineSoftmax<float>* stats, float* target_logit,
-                                        const T* logits, const std::int32_t* targets, std::int64_t rows,
+void vocab_parallel_cross_entropy_stats(cudaStream_t stream, float* stats, const T* logits,
+                                        const std::int32_t* targets, std::int64_t rows, std::int64_t V,
                                         std::int64_t v0, std::int64_t Vlocal) {
   constexpr const char* kWho = "vocab_parallel_cross_entropy_stats";
-  detail::xent::check_slice(kWho, rows, v0, Vlocal);
+  detail::xent::check_slice(kWho, rows, V, v0, Vlocal);
   if (rows == 0) return;
   detail::xent::check_pointer(kWho, stats, "stats");
-  detail::xent::check_pointer(kWho, target_logit, "target_logit");
   detail::xent::check_pointer(kWho, logits, "logits");
   detail::xent::check_pointer(kWho, targets, "targets");
   const bool vectorized = Vlocal % Pack<T>::kSize == 0 && aligned16(logits);
   detail::xent::vocab_parallel_stats_kernel<T><<<static_cast<unsigned>(rows), detail::xent::kThreads, 0, stream>>>(
-      stats, target_logit, logits, targets, v0, static_cast<int>(Vlocal), vectorized);
+      stats, logits, targets, static_cast<int>(V), v0, static_cast<int>(Vlocal),
+      static_cast<int>(detail::xent::vocab_columns(V, v0, Vlocal)), vectorized);
   LLMPAR_CHECK_LAUNCH(kWho);
 }
 
-// After the caller combines stats over ranks (in rank order) into global_stats (rows)
-// and sums target_logit (rows) over ranks: losses (rows) = lse - target_logit; logits
-// (rows, Vlocal), the local slice, <- dloss * (softmax - onehot).
+// gathered (ranks, rows, kVocabStats): every rank's stats in rank order. losses (rows) =
+// logsumexp - target logit (the same on every rank); with grad (may equal logits): grad
+// (rows, Vlocal) = dloss * (softmax - onehot) on this rank's vocabulary columns, 0 on its
+// padding. grad = nullptr: the loss only.
 template <Storage T>
-void vocab_parallel_cross_entropy_finish(cudaStream_t stream, T* logits, float* losses,
-                                         const math::OnlineSoftmax<float>* global_stats, const float* target_logit,
-                                         const std::int32_t* targets, std::int64_t rows, std::int64_t v0,
-                                         std::int64_t Vlocal, float dloss) {
+void vocab_parallel_cross_entropy_finish(cudaStream_t stream, T* grad, float* losses, const T* logits,
+                                         const float* gathered, int ranks, const std::int32_t* targets,
+                                         std::int64_t rows, std::int64_t V, std::int64_t v0, std::int64_t Vlocal,
+                                         float dloss) {
   constexpr const char* kWho = "vocab_parallel_cross_entropy_finish";
-  detail::xent::check_slice(kWho, rows, v0, Vlocal);
+  detail::xent::check_slice(kWho, rows, V, v0, Vlocal);
+  LLMPAR_CHECK(ranks >= 1, kWho, ": ranks = ", ranks, "; it must be >= 1");
   LLMPAR_CHECK(std::isfinite(dloss), kWho, ": dloss = ", dloss, "; it must be finite");
   if (rows == 0) return;
-  detail::xent::check_pointer(kWho, logits, "logits");
   detail::xent::check_pointer(kWho, losses, "losses");
-  detail::xent::check_pointer(kWho, global_stats, "global_stats");
-  detail::xent::check_pointer(kWho, target_logit, "target_logit");
+  detail::xent::check_pointer(kWho, gathered, "gathered");
   detail::xent::check_pointer(kWho, targets, "targets");
-  const bool vectorized = Vlocal % Pack<T>::kSize == 0 && aligned16(logits);
+  if (grad != nullptr) detail::xent::check_pointer(kWho, logits, "logits");
+  const bool vectorized = Vlocal % Pack<T>::kSize == 0 && aligned16(logits) && aligned16(grad);
   detail::xent::vocab_parallel_finish_kernel<T><<<static_cast<unsigned>(rows), detail::xent::kThreads, 0, stream>>>(
-      logits, losses, global_stats, target_logit, targets, v0, static_cast<int>(Vlocal), dloss, vectorized);
+      grad, losses, logits, gathered, ranks, targets, rows, static_cast<int>(V), v0, static_cast<int>(Vlocal),
+      static_cast<int>(detail::xent::vocab_columns(V, v0, Vlocal)), dloss, vectorized);
   LLMPAR_CHECK_LAUNCH(kWho);
 }
 

@@ -47,6 +47,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "llmpar/core/slice.hpp"
 #include "llmpar/kernels/common.cuh"
 #include "llmpar/math/activation.hpp"
 
@@ -211,12 +212,13 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 }
 
 // out[bt, :] = wte[tokens[bt], :] + wpe[bt % T_len, :]. out: (BT, C); tokens: (BT);
-// wte: (V, C); wpe: (>= T_len, C). kVectorized: C is a whole number of packs and out,
-// wte, wpe are pack-aligned.
+// wte: (slice.count or V, C), the rows `slice` of the table (a token outside it adds 0);
+// wpe: (>= T_len, C) or null (no positions). kVectorized: C is a whole number of packs
+// and out, wte, wpe are pack-aligned.
 template <class T, bool kVectorized>
 __global__ void __launch_bounds__(kElementwiseThreads)
     encoder_forward_kernel(T* out, const std::int32_t* tokens, const T* wte, const T* wpe, std::int64_t BT,
-                           std::int64_t T_len, std::int64_t C) {
+                           std::int64_t T_len, std::int64_t C, RowSlice slice) {
   constexpr int kVec = kVectorized ? kPackWidth<T, T> : 1;
   using TPack = Pack<T, kVec>;
   const std::int64_t packs_per_row = C / kVec;
@@ -226,11 +228,21 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     const std::int64_t bt = i / packs_per_row;
     const std::int64_t c = i % packs_per_row;  // in packs
     const std::int64_t t = bt % T_len;
-    const TPack pw = reinterpret_cast<const TPack*>(wte + static_cast<std::int64_t>(tokens[bt]) * C)[c];
-    const TPack pp = reinterpret_cast<const TPack*>(wpe + t * C)[c];
+    const std::int64_t token = tokens[bt];
     TPack po;
+    if (slice.holds(token) && wpe != nullptr) {
+      const TPack pw = reinterpret_cast<const TPack*>(wte + (token - slice.first) * C)[c];
+      const TPack pp = reinterpret_cast<const TPack*>(wpe + t * C)[c];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) po.v[k] = store<T>(load(pw.v[k]) + load(pp.v[k]));
+      for (int k = 0; k < kVec; ++k) po.v[k] = store<T>(load(pw.v[k]) + load(pp.v[k]));
+    } else if (slice.holds(token)) {
+      po = reinterpret_cast<const TPack*>(wte + (token - slice.first) * C)[c];
+    } else if (wpe != nullptr) {
+      po = reinterpret_cast<const TPack*>(wpe + t * C)[c];
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) po.v[k] = store<T>(0.0f);
+    }
     reinterpret_cast<TPack*>(out + bt * C)[c] = po;
   }
 }
@@ -249,15 +261,18 @@ inline constexpr int kEncoderThreads = 128;
 
 // dwte[token, c] += dout[p, c] for the positions p of each token's run, in ascending p.
 // sorted_tokens, sorted_positions: (BT), the tokens sorted stably with their positions.
-// Grid: (BT, ceil(C / kEncoderThreads)); a block whose blockIdx.x does not start a run
-// exits at once. dwte: (V, C); dout: (BT, C).
+// Grid: (BT, ceil(C / kEncoderThreads)); a block whose blockIdx.x does not start a run,
+// or whose token is outside `slice`, exits at once. dwte: (slice.count or V, C), the
+// rows `slice` of the table; dout: (BT, C).
 template <class T>
 __global__ void __launch_bounds__(kEncoderThreads)
     encoder_backward_wte_kernel(T* dwte, const T* dout, const std::int32_t* sorted_tokens,
-                                const std::int32_t* sorted_positions, std::int32_t BT, std::int64_t C) {
+                                const std::int32_t* sorted_positions, std::int32_t BT, std::int64_t C,
+                                RowSlice slice) {
   const std::int32_t head = static_cast<std::int32_t>(blockIdx.x);
   const std::int32_t token = sorted_tokens[head];
   if (head > 0 && sorted_tokens[head - 1] == token) return;  // not the first of its run
+  if (!slice.holds(token)) return;                           // another rank's row
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * kEncoderThreads + threadIdx.x;
   if (c >= C) return;
   // The run is [head, end): keys are sorted, so binary-search the first key != token.
@@ -271,7 +286,7 @@ __global__ void __launch_bounds__(kEncoderThreads)
       hi = mid;
   }
   const std::int32_t end = lo;
-  T* target = dwte + static_cast<std::int64_t>(token) * C + c;
+  T* target = dwte + (static_cast<std::int64_t>(token) - slice.first) * C + c;
   T acc = *target;
 #pragma unroll 4
   for (std::int32_t k = head; k < end; ++k) {
@@ -460,17 +475,17 @@ void bias_backward(cudaStream_t stream, T* dbias, const T* dout, float* workspac
 }
 
 // out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. out: (B, T_len, C); tokens: (B, T_len)
-// in [0, V); wte: (V, C); wpe: (>= T_len, C).
+// in [0, V); wte: (slice.count or V, C), the rows `slice` of the token table (a token
+// outside it adds 0: its row is another rank's); wpe: (>= T_len, C), or null for none.
 template <Storage T>
 void encoder_forward(cudaStream_t stream, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
-                     std::int64_t B, std::int64_t T_len, std::int64_t C) {
+                     std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
   detail::ew::check_encoder_shape("encoder_forward", B, T_len, C);
   const std::int64_t BT = B * T_len;
   if (BT == 0 || C == 0) return;
   detail::ew::check_pointer("encoder_forward", "out", out);
   detail::ew::check_pointer("encoder_forward", "tokens", tokens);
   detail::ew::check_pointer("encoder_forward", "wte", wte);
-  detail::ew::check_pointer("encoder_forward", "wpe", wpe);
   constexpr int kVec = detail::ew::kPackWidth<T, T>;
   const bool vectorized = C % kVec == 0 && detail::ew::aligned_to(out, kVec * sizeof(T)) &&
                           detail::ew::aligned_to(wte, kVec * sizeof(T)) &&
@@ -478,11 +493,11 @@ void encoder_forward(cudaStream_t stream, T* out, const std::int32_t* tokens, co
   if (vectorized) {
     detail::ew::encoder_forward_kernel<T, true>
         <<<detail::ew::grid_for(BT * (C / kVec)), detail::ew::kElementwiseThreads, 0, stream>>>(out, tokens, wte, wpe,
-                                                                                                BT, T_len, C);
+                                                                                                BT, T_len, C, slice);
   } else {
     detail::ew::encoder_forward_kernel<T, false>
         <<<detail::ew::grid_for(BT * C), detail::ew::kElementwiseThreads, 0, stream>>>(out, tokens, wte, wpe, BT, T_len,
-                                                                                       C);
+                                                                                       C, slice);
   }
   LLMPAR_CHECK_LAUNCH("encoder_forward_kernel");
 }
@@ -500,17 +515,17 @@ inline std::int64_t encoder_backward_workspace_bytes(std::int64_t B, std::int64_
 }
 
 // dwte[tokens[b, t], :] += dout[b, t, :] and dwpe[t, :] += dout[b, t, :], in the CPU
-// kernel's order (positions ascending), so the result is its bits. dwte: (V, C);
-// dwpe: (>= T_len, C); dout: (B, T_len, C); tokens: (B, T_len) in [0, V); workspace:
+// kernel's order (positions ascending), so the result is its bits. dwte: (slice.count
+// or V, C), the rows `slice` of the table (other tokens are skipped); dwpe: (>= T_len, C)
+// or null (none); dout: (B, T_len, C); tokens: (B, T_len) in [0, V); workspace:
 // encoder_backward_workspace_bytes(B, T_len) device bytes.
 template <Storage T>
 void encoder_backward(cudaStream_t stream, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens, void* workspace,
-                      std::int64_t B, std::int64_t T_len, std::int64_t C) {
+                      std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
   detail::ew::check_encoder_shape("encoder_backward", B, T_len, C);
   const std::int64_t BT = B * T_len;
   if (BT == 0 || C == 0) return;
   detail::ew::check_pointer("encoder_backward", "dwte", dwte);
-  detail::ew::check_pointer("encoder_backward", "dwpe", dwpe);
   detail::ew::check_pointer("encoder_backward", "dout", dout);
   detail::ew::check_pointer("encoder_backward", "tokens", tokens);
   LLMPAR_CHECK(workspace != nullptr, "encoder_backward: workspace is nullptr; pass encoder_backward_workspace_bytes(",
@@ -541,8 +556,9 @@ void encoder_backward(cudaStream_t stream, T* dwte, T* dwpe, const T* dout, cons
                     "sorting the tokens in encoder_backward");
   const dim3 grid(static_cast<unsigned>(BT), static_cast<unsigned>(column_blocks));
   detail::ew::encoder_backward_wte_kernel<T>
-      <<<grid, detail::ew::kEncoderThreads, 0, stream>>>(dwte, dout, sorted_tokens, sorted_positions, count, C);
+      <<<grid, detail::ew::kEncoderThreads, 0, stream>>>(dwte, dout, sorted_tokens, sorted_positions, count, C, slice);
   LLMPAR_CHECK_LAUNCH("encoder_backward_wte_kernel");
+  if (dwpe == nullptr) return;
   detail::ew::encoder_backward_wpe_kernel<T>
       <<<detail::ew::grid_for(T_len * C), detail::ew::kElementwiseThreads, 0, stream>>>(dwpe, dout, B, T_len, C);
   LLMPAR_CHECK_LAUNCH("encoder_backward_wpe_kernel");

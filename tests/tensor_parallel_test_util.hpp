@@ -14,6 +14,7 @@
 #include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/core/rng.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 
 namespace llmpar::tp_test {
@@ -67,7 +68,7 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
     model.zero_grad();
     losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
     model.backward(ctx);
-    if constexpr (requires { model.finish_gradients(ctx); }) model.finish_gradients(ctx);
+    nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
     opt.step(1e-2f);
   }
   const std::lock_guard<std::mutex> lock(mutex);

@@ -2,8 +2,8 @@
 // off and on, trains as the serial model: five AdamW steps (with gradient clipping
 // active) from the same seed give the same losses and the same final parameters,
 // gathered from the ranks' slices, to 1e-5 relative in fp32. The activation memory per
-// rank falls as predicted, and sequence parallelism's saving is asserted. Heads and
-// sequence lengths that the degree does not divide are named.
+// rank falls as predicted, and sequence parallelism's saving is asserted. Heads,
+// vocabularies and sequence lengths that the degree does not divide are named.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -51,7 +51,7 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
       tp_test::train_five_steps(model, parallel, mutex, world.rank() == 0);
     });
     const bool sequence_parallel = sp == parallel::SequenceParallel::on;
-    INFO("tp = " << tp << (sequence_parallel ? ", sequence parallel" : ""));
+    INFO("tp = " << tp << std::string(sequence_parallel ? ", sequence parallel" : ""));
     REQUIRE(parallel.losses.size() == serial.losses.size());
     for (std::size_t s = 0; s < serial.losses.size(); ++s) {
       INFO("step " << s + 1 << ": " << parallel.losses[s] << " vs serial " << serial.losses[s]);
@@ -85,9 +85,43 @@ TEST_CASE("GPT-2 heads that the tensor-parallel degree does not divide are named
   });
 }
 
+TEST_CASE("GPT-2 vocabularies that the tensor-parallel degree does not divide are named") {
+  comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    models::GPT2Config cfg = config();
+    cfg.padded_vocab = 66;
+    CHECK_THROWS_WITH_AS(
+        models::GPT2<float>(cfg, 1, nn::TensorParallelGroup(&world)),
+        doctest::Contains("the padded vocabulary (66) is not divisible by the tensor-parallel degree 4"), Error);
+  });
+}
+
+TEST_CASE("a rank whose vocabulary slice is all padding trains as the serial model") {
+  // vocab 40 of 64 rows over 4 ranks: rank 3 holds ids [48, 64), padding only.
+  models::GPT2Config cfg = config();
+  cfg.vocab = 40;
+  std::mutex mutex;
+  Run serial, split;
+  {
+    models::GPT2<float> model(cfg, 7);
+    tp_test::train_five_steps(model, serial, mutex, true);
+  }
+  comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    models::GPT2<float> model(cfg, 7, nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+    tp_test::train_five_steps(model, split, mutex, world.rank() == 0);
+  });
+  for (std::size_t s = 0; s < serial.losses.size(); ++s)
+    CHECK(std::abs(split.losses[s] - serial.losses[s]) <= 1e-5 * std::abs(serial.losses[s]));
+  for (std::size_t k = 0; k < serial.params.size(); ++k) {
+    INFO(serial.names[k]);
+    CHECK(relative_difference(split.params[k], serial.params[k]) <= 1e-5);
+  }
+}
+
 TEST_CASE("tensor parallelism divides the split activations of every block by tp; sequence parallelism the rest") {
   // Per rank, tensor parallelism splits the attention (q, k, v, output, lse) and MLP
-  // (pre-GELU and GELU) activations; sequence parallelism also splits each block's
+  // (pre-GELU and GELU) activations and the logits; sequence parallelism also splits each block's
   // LayerNorm outputs and residual after attention, and the residual stream between
   // blocks, at the price of two gather/partial buffers of (B·S, C).
   const std::int64_t B = 4, S = 16;
@@ -114,6 +148,9 @@ TEST_CASE("tensor parallelism divides the split activations of every block by tp
   const std::size_t serial = measure(1, parallel::SequenceParallel::off);
   // Each block splits 3C (qkv) + C (attention out) + 8C (MLP) + NH (lse) floats per row.
   const std::size_t tp_split = L * row * (12 * C + static_cast<std::size_t>(cfg.heads));
+  // The vocabulary-parallel head splits the logits (Vp per row), and the loss keeps its
+  // softmax states: 3 floats per row for this rank, 3 per row and rank gathered.
+  const std::size_t logits = row * static_cast<std::size_t>(cfg.padded_vocab), stats = 3 * row;
   // Sequence parallelism splits, per block, ln1 and ln2 outputs and x_mid (3C per row)
   // and the two LayerNorms' statistics (mean and rstd: 4 per row); the model's residual
   // stream ((L+1)C), its two residual gradients (2C) and the final norm's statistics (2);
@@ -122,7 +159,7 @@ TEST_CASE("tensor parallelism divides the split activations of every block by tp
     const std::size_t t = static_cast<std::size_t>(tp);
     const std::size_t without = measure(tp, parallel::SequenceParallel::off);
     const std::size_t with = measure(tp, parallel::SequenceParallel::on);
-    CHECK(serial - without == tp_split * (t - 1) / t);
+    CHECK(serial - without == tp_split * (t - 1) / t + logits * (t - 1) / t - stats * (1 + t));
     const std::size_t sp_split = row * (C * (3 * L + (L + 1) + 2) + 4 * L + 2) * (t - 1) / t;
     const std::size_t sp_added = row * C * 2 /* gathered, partial */ + row * C / t /* lnf_local */;
     CHECK(without - with == sp_split - sp_added);

@@ -17,11 +17,16 @@
 //    checked there before they are copied in.
 //  - The vocabulary is padded (50257 -> 50304) so the LM-head GEMM has aligned rows;
 //    padded logits never enter the loss and get zero gradient.
+//  - Under tensor parallelism (a TensorParallelGroup of tp ranks) the blocks split their
+//    heads and MLP width, and the token table, the tied LM head and the loss split the
+//    vocabulary (nn::VocabParallelEmbedding): no rank ever holds the (B·S, Vp) logits.
+//    With sequence parallelism the LayerNorm and residual regions hold B·S/tp rows.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,6 +37,7 @@
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
+#include "llmpar/nn/vocab_parallel.hpp"
 
 namespace llmpar::models {
 
@@ -123,7 +129,12 @@ class GPT2Block {
         ln2_(name + ".ln_2", cfg.dim),
         fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std, tp),
         fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
-                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {}
+                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {
+    // Under sequence parallelism each rank normalises its rows only: the LayerNorms'
+    // gradients are partial sums, summed over the group once per step.
+    nn::mark_sequence_parallel<T>(ln1_, tp);
+    nn::mark_sequence_parallel<T>(ln2_, tp);
+  }
 
   // The scratch the forward uses to gather rows under sequence parallelism (the model
   // shares its own; a block alone uses one it owns).
@@ -156,8 +167,8 @@ class GPT2Block {
   }
 
   // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate
-  // (under sequence parallelism, the LayerNorms' only over this rank's rows: the model's
-  // finish_gradients() sums them over the group). dx, dout, x: this rank's rows.
+  // (under sequence parallelism, the LayerNorms' only over this rank's rows: see
+  // nn::sum_sequence_parallel_gradients). dx, dout, x: this rank's rows.
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
                 detail::BlockScratch<T, Space>& s) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
@@ -186,14 +197,6 @@ class GPT2Block {
     tp_.reduce_rows(s.c0.data(), dln1, rows, C);  // "f" backward
     ln1_.backward(ctx, dx, s.c0.data(), x, local);
     Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
-  }
-
-  // The parameters whose gradients are partial sums over the tp group under sequence
-  // parallelism (the LayerNorms, which see only this rank's rows).
-  template <class Visit>
-  void sequence_parallel_parameters(Visit&& visit) {
-    ln1_.parameters(visit);
-    ln2_.parameters(visit);
   }
 
   // The Layer concept's backward (nn/layer.hpp): the same, with a scratch this block
@@ -269,20 +272,25 @@ class GPT2 {
   using Space = typename Backend::Space;
   using BackendTag = Backend;
 
-  // tp: the tensor-parallel group the blocks are split over (default: none); the
-  // embeddings, the LM head and the loss are whole on every rank of it.
+  // tp: the tensor-parallel group the model is split over (default: none): the blocks
+  // split heads and MLP width, the token table, LM head and loss the vocabulary; the
+  // position table and the final LayerNorm are whole on every rank.
   GPT2(const GPT2Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
-      : cfg_(cfg), tp_(tp), lnf_((cfg.validate(), "ln_f"), cfg.dim) {
-    wte_ = nn::Parameter<T>("wte", {cfg.padded_vocab, cfg.dim}, nn::Init::normal(cfg.init_std), true);
-    wpe_ = nn::Parameter<T>("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
+      : cfg_(cfg),
+        tp_(tp),
+        wte_((cfg.validate(), "wte"), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
+        wpe_("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true),
+        lnf_("ln_f", cfg.dim) {
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
     for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg, tp);
     for (auto& block : blocks_) block.use_scratch(&scratch_);
+    wte_.use_scratch(&scratch_.partial, &scratch_.gathered);
+    nn::mark_sequence_parallel<T>(lnf_, tp);
     store_.bind(*this);
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
     // keep them at zero so they cannot perturb anything.
-    Space::zero(wte_.value + cfg.vocab * cfg.dim, static_cast<std::size_t>((cfg.padded_vocab - cfg.vocab) * cfg.dim) * sizeof(T));
+    wte_.zero_padding();
   }
   GPT2(const GPT2&) = delete;
   GPT2& operator=(const GPT2&) = delete;
@@ -294,8 +302,7 @@ class GPT2 {
     compute_logits(ctx, tokens, batch, seq);
     const std::int64_t rows = batch * seq;
     copy_targets(ctx, targets, rows);
-    Backend::cross_entropy_forward_backward(ctx, logits_.data(), losses_.data(), targets_.data(), rows, cfg_.vocab,
-                                            cfg_.padded_vocab, loss_scale / static_cast<Acc>(rows));
+    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows, loss_scale / static_cast<Acc>(rows));
     backward_ready_ = true;
     return mean_loss(ctx, rows);
   }
@@ -306,36 +313,20 @@ class GPT2 {
                  "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
     backward_ready_ = false;
     const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows), first = tp_.first_row(rows);
+    const std::int64_t local = tp_.local_rows(rows);
     scratch_.reserve(rows, C, tp_.sequence_parallel());
     dres_[0].reserve(local * C);
     dres_[1].reserve(local * C);
-    // LM head, tied to wte: logits = lnf_out · wteᵀ, on every row (whole on every rank).
-    T* dlnf = scratch_.c0.data();
-    Backend::template gemm<T>(ctx, dlnf, logits_.data(), wte_.value, nullptr, rows, C, cfg_.padded_vocab, {});
-    Backend::template gemm<T>(ctx, wte_.grad, logits_.data(), lnf_out_.data(), nullptr, cfg_.padded_vocab, C, rows,
-                              {.trans_a = true, .trans_b = false, .accumulate = true});
-    lnf_.backward(ctx, dres_[0].data(), dlnf + first * C, residual(L), local);  // this rank's rows
+    // LM head, tied to wte: this rank's vocabulary columns, dlnf summed over the group.
+    T* dlnf = scratch_.c0.data();  // (Rl, C)
+    wte_.head_backward(ctx, dlnf, logits_.data(), lnf_out_.data(), rows);
+    lnf_.backward(ctx, dres_[0].data(), dlnf, residual(L), local);
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq, scratch_);
     }
-    // The embeddings are whole on every rank: they take the gradient of every row.
-    if (tp_.sequence_parallel()) Backend::synchronize(ctx);
-    const T* dembedding = tp_.gather_rows(scratch_.gathered.data(), dres_[L % 2].data(), rows, C);
-    Backend::encoder_backward(ctx, wte_.grad, wpe_.grad, dembedding, tokens_.data(), batch, seq, C);
-  }
-
-  // Completes the gradients of a step, after its last micro-batch's backward: under
-  // sequence parallelism the LayerNorms' gradients are partial sums over the tp group
-  // (each rank normalised only its rows), summed here.
-  void finish_gradients(Context& ctx) {
-    if (!tp_.sequence_parallel()) return;
-    Backend::synchronize(ctx);
-    const auto sum = [&](nn::Parameter<T>& p) { tp_.all_reduce(p.grad, p.numel()); };
-    for (auto& block : blocks_) block.sequence_parallel_parameters(sum);
-    lnf_.parameters(sum);
+    wte_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq, wpe_.grad);
   }
 
   // Mean loss without touching any gradient state.
@@ -344,24 +335,33 @@ class GPT2 {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
     copy_targets(ctx, targets, batch * seq);
-    Backend::cross_entropy_forward(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, cfg_.vocab,
-                                   cfg_.padded_vocab);
+    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
     return mean_loss(ctx, batch * seq);
   }
 
-  // Logits (B, S, padded_vocab) of a batch, in the backend's memory; only the first
-  // `vocab` columns are meaningful.
+  // This rank's logits (B, S, padded_vocab / tp) of a batch, in the backend's memory:
+  // the columns vocab_slice() (all of them unsplit); only ids < vocab are meaningful.
   const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
     return logits_.data();
   }
+  // host_row (padded_vocab) = every column of the logits at `row` (b·S + t) of a batch,
+  // gathered over the tensor-parallel group when the vocabulary is split (sampling).
+  void logits_row(Context& ctx, T* host_row, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
+                  std::int64_t row) {
+    LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
+                 " rows");
+    const T* local = logits(ctx, tokens, batch, seq);
+    wte_.download_row(ctx, host_row, local + row * wte_.slice().count);
+  }
+  RowSlice vocab_slice() const { return wte_.slice(); }
 
   void zero_grad() { store_.zero_grad(); }
 
   template <class Visit>
   void parameters(Visit&& visit) {
-    visit(wte_);
+    wte_.parameters(visit);
     visit(wpe_);
     for (auto& block : blocks_) block.parameters(visit);
     lnf_.parameters(visit);
@@ -376,7 +376,8 @@ class GPT2 {
   // Bytes of activations and activation gradients currently allocated.
   std::size_t activation_bytes() const {
     std::size_t n = residual_.bytes() + lnf_out_.bytes() + lnf_local_.bytes() + logits_.bytes() + losses_.bytes() +
-                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + lnf_.activation_bytes();
+                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + lnf_.activation_bytes() +
+                    wte_.activation_bytes();
     for (const auto& b : blocks_) n += b.activation_bytes();
     return n;
   }
@@ -392,7 +393,7 @@ class GPT2 {
     batch_ = batch;
     seq_ = seq;
     const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows), first = tp_.first_row(rows);
+    const std::int64_t local = tp_.local_rows(rows);
     for (std::int64_t i = 0; i < rows; ++i)
       LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
                    " is outside the vocabulary [0, ", cfg_.vocab, ")");
@@ -400,29 +401,21 @@ class GPT2 {
     Backend::upload(ctx, tokens_.data(), tokens, rows);
     residual_.reserve((L + 1) * local * C);
     lnf_out_.reserve(rows * C);
-    logits_.reserve(rows * cfg_.padded_vocab);
+    logits_.reserve(rows * wte_.slice().count);
     losses_.reserve(rows);
-    if (tp_.sequence_parallel()) {
-      // Every rank embeds every row (the tables are whole) and keeps its own rows.
-      scratch_.reserve(rows, C, true);
-      lnf_local_.reserve(local * C);
-      Backend::encoder_forward(ctx, scratch_.gathered.data(), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
-      Backend::copy(ctx, residual(0), scratch_.gathered.data() + first * C, local * C);
-    } else {
-      Backend::encoder_forward(ctx, residual(0), tokens_.data(), wte_.value, wpe_.value, batch, seq, C);
-    }
+    wte_.forward(ctx, residual(0), tokens_.data(), batch, seq, wpe_.value);
     for (std::int64_t l = 0; l < L; ++l)
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
     if (tp_.sequence_parallel()) {
       // The final norm on this rank's rows, then every row gathered for the LM head.
+      lnf_local_.reserve(local * C);
       lnf_.forward(ctx, lnf_local_.data(), residual(L), local);
       Backend::synchronize(ctx);
       tp_.gather_rows(lnf_out_.data(), lnf_local_.data(), rows, C);
     } else {
       lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
     }
-    Backend::template gemm<T>(ctx, logits_.data(), lnf_out_.data(), wte_.value, nullptr, rows, cfg_.padded_vocab, C,
-                              {.trans_a = false, .trans_b = true, .accumulate = false});
+    wte_.head_forward(ctx, logits_.data(), lnf_out_.data(), rows);
   }
 
   // Targets are checked on the host, then copied into the backend's memory.
@@ -446,8 +439,8 @@ class GPT2 {
 
   GPT2Config cfg_;
   nn::TensorParallelGroup tp_;
-  nn::Parameter<T> wte_;  // (Vp, C), also the LM head
-  nn::Parameter<T> wpe_;  // (max_seq, C)
+  nn::VocabParallelEmbedding<T, Backend> wte_;  // (Vp, C) split by rows; also the LM head
+  nn::Parameter<T> wpe_;                        // (max_seq, C)
   std::vector<GPT2Block<T, Backend>> blocks_;
   nn::LayerNorm<T, Backend> lnf_;
   nn::ParameterStore<T, Space> store_;
@@ -460,7 +453,7 @@ class GPT2 {
                                          // (Rl = B·S, or this rank's B·S/tp under sequence parallelism)
   Buffer<T, Space> lnf_out_;             // (B, S, C)
   Buffer<T, Space> lnf_local_;           // (Rl, C) sequence parallelism only: this rank's normed rows
-  Buffer<T, Space> logits_;              // (B, S, Vp); holds ∂loss/∂logits after a training forward
+  Buffer<T, Space> logits_;              // (B, S, Vp/tp); holds ∂loss/∂logits after a training forward
   Buffer<Acc, Space> losses_;            // (B, S)
   Buffer<Acc> host_losses_;              // (B, S) on the host
   Buffer<T, Space> dres_[2];             // (B, S, C) ping-pong residual gradients

@@ -102,6 +102,10 @@ struct Parameter {
   Init init;
   bool decay = false;  // weight decay applies (matrices yes; biases and norm gains no)
   Split split;         // the part of the full tensor this rank holds (default: all of it)
+  // Whole on every rank of a tensor-parallel group, but each rank's gradient covers only
+  // its rows of the sequence (a norm under sequence parallelism): the gradients are
+  // summed over the group once per step (nn::sum_sequence_parallel_gradients).
+  bool sequence_parallel = false;
   T* value = nullptr;  // bound by ParameterStore; local_shape() elements
   T* grad = nullptr;
 

@@ -55,6 +55,14 @@ class TensorParallelGroup {
   explicit TensorParallelGroup(comm::Comm* group, parallel::SequenceParallel sp = parallel::SequenceParallel::off)
       : group_(group && group->size() > 1 ? group : nullptr), sp_(group_ ? sp : parallel::SequenceParallel::off) {}
 
+  // The group of a composed policy (llmpar::Compose<...>): sequence parallelism is on
+  // when its parallel::Tensor<...> tag says so. The degree is the communicator's size.
+  template <class Policy>
+  static TensorParallelGroup of(comm::Comm* group) {
+    return TensorParallelGroup(group, Policy::kSequenceParallel ? parallel::SequenceParallel::on
+                                                                 : parallel::SequenceParallel::off);
+  }
+
   int size() const { return group_ ? group_->size() : 1; }
   int rank() const { return group_ ? group_->rank() : 0; }
   bool split() const { return group_ != nullptr; }
@@ -70,13 +78,7 @@ class TensorParallelGroup {
   template <class T>
   const T* gather_rows(T* full, const T* local, std::int64_t rows, std::int64_t width) const {
     if (!sequence_parallel()) return local;
-    const std::int64_t n = local_rows(rows) * width;
-    if constexpr (kCarried<T>) {
-      group_->all_gather(std::span<const T>(local, static_cast<std::size_t>(n)),
-                         std::span<T>(full, static_cast<std::size_t>(n * size())));
-    } else {
-      not_carried(sizeof(T));
-    }
+    all_gather(full, local, local_rows(rows) * width);
     return full;
   }
   // Leaves a tensor-parallel region ("g" forward, "f" backward): `partial` holds this
@@ -108,6 +110,18 @@ class TensorParallelGroup {
   // The Split of a dimension cut into size() parts, this rank's part.
   Split along(int dim, int groups = 1) const { return split() ? Split{dim, size(), rank(), groups} : Split{}; }
 
+  // full (n · size()) = every rank's local (n), in rank order. The group must be split.
+  template <class T>
+  void all_gather(T* full, const T* local, std::int64_t n) const {
+    LLMPAR_CHECK(split(), "all_gather over a tensor-parallel group of one rank; callers gather only when split()");
+    if constexpr (kCarried<T>) {
+      group_->all_gather(std::span<const T>(local, static_cast<std::size_t>(n)),
+                         std::span<T>(full, static_cast<std::size_t>(n * size())));
+    } else {
+      not_carried(sizeof(T));
+    }
+  }
+
   // x (n) = Σ over the group's ranks, in place (nothing when not split).
   template <class T>
   void all_reduce(T* x, std::int64_t n) const {
@@ -138,6 +152,25 @@ class TensorParallelGroup {
   comm::Comm* group_ = nullptr;
   parallel::SequenceParallel sp_ = parallel::SequenceParallel::off;
 };
+
+// Marks every parameter of `layer` (a norm in a sequence-parallel region) as
+// Parameter::sequence_parallel when the group splits the sequence; nothing otherwise.
+template <class T, class Layer>
+void mark_sequence_parallel(Layer& layer, const TensorParallelGroup& tp) {
+  if (!tp.sequence_parallel()) return;
+  layer.parameters([](Parameter<T>& p) { p.sequence_parallel = true; });
+}
+
+// Sums over the group the gradients of the parameters marked sequence_parallel: once
+// per step, after the last micro-batch's backward (train::Trainer calls it).
+template <class Backend, class T, class Space>
+void sum_sequence_parallel_gradients(typename Backend::Context& ctx, ParameterStore<T, Space>& store,
+                                     const TensorParallelGroup& tp) {
+  if (!tp.sequence_parallel()) return;
+  Backend::synchronize(ctx);  // the reduction reads what the kernels wrote
+  for (Parameter<T>* p : store.parameters())
+    if (p->sequence_parallel) tp.all_reduce(p->grad, p->numel());
+}
 
 // y_local (rows, out/tp) = x (rows, in) · W_localᵀ + b_local.
 template <class T, class Backend = backend::Cpu>

@@ -4,7 +4,9 @@
 // and exact, and cheap for the models a CPU samples from. Draws come from the
 // counter-based RNG, so a (seed, prompt) pair always gives the same text. The last
 // position's logits are copied to the host (from the device on the CUDA backend) and
-// the draw happens there, so both backends sample alike.
+// the draw happens there, so both backends sample alike. A model split over a
+// tensor-parallel group gathers that one row over the group (Model::logits_row): every
+// rank draws the same token.
 #pragma once
 
 #include <algorithm>
@@ -31,7 +33,6 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
   LLMPAR_CHECK(!prompt.empty(), "sampling needs a prompt of at least one token");
   LLMPAR_CHECK(cfg.temperature > 0.0f, "temperature is ", cfg.temperature, "; it must be positive");
   const auto& mc = model.config();
-  using Backend = typename Model::BackendTag;
   using Acc = float;
   Buffer<Acc> probs(mc.vocab);
   Buffer<float> row(mc.padded_vocab);
@@ -51,8 +52,7 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
     const std::int64_t padded = (len + multiple - 1) / multiple * multiple;
     window.assign(prompt.end() - len, prompt.end());
     window.resize(static_cast<std::size_t>(padded), 0);
-    const float* logits = model.logits(ctx, window.data(), 1, padded) + (len - 1) * mc.padded_vocab;
-    Backend::download(ctx, row.data(), logits, mc.padded_vocab);
+    model.logits_row(ctx, row.data(), window.data(), 1, padded, len - 1);
     backend::cpu::softmax_forward(probs.data(), row.data(), mc.vocab, static_cast<Acc>(cfg.temperature));
     const double u = stream.uniform(static_cast<std::uint64_t>(i));
     double cdf = 0.0;

@@ -28,6 +28,7 @@
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
+#include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/train/metrics.hpp"
@@ -102,7 +103,8 @@ class Trainer {
       model_.backward(ctx_);
     }
     loss /= static_cast<double>(cfg_.grad_accum);
-    if constexpr (requires { model_.finish_gradients(ctx_); }) model_.finish_gradients(ctx_);
+    if constexpr (requires { model_.tensor_parallel(); })
+      nn::sum_sequence_parallel_gradients<Backend>(ctx_, model_.parameter_store(), model_.tensor_parallel());
     if (replicas_) {
       auto& store = model_.parameter_store();
       replicas_->all_reduce(std::span<float>(store.grads(), store.flat_size()), comm::ReduceOp::avg);

@@ -20,6 +20,7 @@
 #include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/backend/cpu/layernorm.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
+#include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/optim/adamw.hpp"
 
@@ -107,15 +108,16 @@ struct Cpu {
   static void bias_backward(Context&, T* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
     cpu::bias_backward(dbias, dout, rows, n);
   }
+  // wte holds the rows `slice` of the token table (default: all); wpe may be null.
   template <class T>
   static void encoder_forward(Context&, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
-                              std::int64_t B, std::int64_t T_len, std::int64_t C) {
-    cpu::encoder_forward(out, tokens, wte, wpe, B, T_len, C);
+                              std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+    cpu::encoder_forward(out, tokens, wte, wpe, B, T_len, C, slice);
   }
   template <class T>
   static void encoder_backward(Context&, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens, std::int64_t B,
-                               std::int64_t T_len, std::int64_t C) {
-    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T_len, C);
+                               std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T_len, C, slice);
   }
   // Targets are checked here (on the host) before any row is touched.
   template <class T>
@@ -127,6 +129,23 @@ struct Cpu {
   static void cross_entropy_forward(Context&, Acc<T>* losses, const T* logits, const std::int32_t* targets,
                                     std::int64_t rows, std::int64_t V, std::int64_t Vp) {
     cpu::cross_entropy_forward(losses, logits, targets, rows, V, Vp);
+  }
+  // The vocabulary-parallel loss (backend/cpu/cross_entropy.hpp): this rank's softmax
+  // states, then, after the group all-gathers them, the loss and this rank's dlogits.
+  static constexpr int kVocabStats = cpu::kVocabStats;  // values per row of the stats
+  template <class T>
+  static void vocab_parallel_cross_entropy_stats(Context&, Acc<T>* stats, const T* logits, const std::int32_t* targets,
+                                                 std::int64_t rows, std::int64_t V, std::int64_t v0,
+                                                 std::int64_t Vlocal) {
+    cpu::vocab_parallel_cross_entropy_stats(stats, logits, targets, rows, V, v0, Vlocal);
+  }
+  template <class T>
+  static void vocab_parallel_cross_entropy_finish(Context&, T* dlogits, Acc<T>* losses, const T* logits,
+                                                  const Acc<T>* gathered, int ranks, const std::int32_t* targets,
+                                                  std::int64_t rows, std::int64_t V, std::int64_t v0,
+                                                  std::int64_t Vlocal, Acc<T> dloss) {
+    cpu::vocab_parallel_cross_entropy_finish(dlogits, losses, logits, gathered, ranks, targets, rows, V, v0, Vlocal,
+                                             dloss);
   }
 
   // Transfers between host memory and this backend's memory.

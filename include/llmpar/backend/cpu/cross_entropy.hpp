@@ -112,6 +112,94 @@ void cross_entropy_forward(acc_t<T>* LLMPAR_RESTRICT losses, const T* LLMPAR_RES
   }
 }
 
+// ---- Vocabulary parallel -----------------------------------------------------------
+//
+// With the LM head split over a tensor-parallel group by vocabulary rows, rank i holds
+// columns [v0, v0 + Vlocal) of every row of the (rows, Vp) logits; of those, the first
+// vocab_columns(V, v0, Vlocal) are vocabulary and the rest padding. The loss never
+// gathers the logits (Megatron's vocab-parallel cross-entropy, made deterministic):
+//   1. vocab_parallel_cross_entropy_stats: per row, this rank's softmax state (max, sum)
+//      and the target's logit if this rank holds it (else 0): kVocabStats values;
+//   2. the group all-gathers those (rows x kVocabStats values per rank, tiny);
+//   3. vocab_parallel_cross_entropy_finish: every rank combines the states in rank order
+//      ((s0 + s1) + s2) ... and sums the target logits (one is nonzero), so every rank
+//      computes the same loss bits, then writes its own columns' dlogits.
+// The CUDA kernels (kernels/cross_entropy.cuh) take the same arguments and layout.
+
+inline constexpr int kVocabStats = 3;  // per row: softmax max, softmax sum, target logit
+
+// Columns of the slice [v0, v0 + Vlocal) that are vocabulary (< V); the rest are padding.
+inline std::int64_t vocab_columns(std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
+  return std::clamp<std::int64_t>(V - v0, 0, Vlocal);
+}
+
+namespace detail::xent {
+inline void check_slice(const char* who, std::int64_t rows, std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
+  LLMPAR_CHECK(rows >= 0, who, ": rows = ", rows, "; it must be >= 0");
+  LLMPAR_CHECK(V >= 1 && v0 >= 0 && Vlocal >= 1, who, ": V = ", V, ", v0 = ", v0, ", Vlocal = ", Vlocal,
+               "; this rank's slice [v0, v0 + Vlocal) of a vocabulary of V needs V >= 1, v0 >= 0, Vlocal >= 1");
+}
+}  // namespace detail::xent
+
+// stats: (rows, kVocabStats); logits: (rows, Vlocal), this rank's columns [v0, v0 + Vlocal);
+// targets: (rows) in [0, V).
+template <class T>
+void vocab_parallel_cross_entropy_stats(acc_t<T>* LLMPAR_RESTRICT stats, const T* LLMPAR_RESTRICT logits,
+                                        const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows,
+                                        std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
+  using Acc = acc_t<T>;
+  detail::xent::check_slice("vocab_parallel_cross_entropy_stats", rows, V, v0, Vlocal);
+  detail::xent::check_targets(targets, rows, V);
+  const std::int64_t n = vocab_columns(V, v0, Vlocal);
+#pragma omp parallel for schedule(static) if (rows * Vlocal >= kMinParallelWork)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* LLMPAR_RESTRICT x = logits + r * Vlocal;  // (Vlocal)
+    const math::OnlineSoftmax<Acc> st = detail::xent::row_stats(x, n, Acc(1));
+    const std::int64_t local = targets[r] - v0;
+    Acc* LLMPAR_RESTRICT out = stats + r * kVocabStats;
+    out[0] = st.max;
+    out[1] = st.sum;
+    out[2] = local >= 0 && local < n ? static_cast<Acc>(x[local]) : Acc(0);
+  }
+}
+
+// gathered: (ranks, rows, kVocabStats), every rank's stats in rank order. losses (rows)
+// = logsumexp - target logit, the same on every rank; with dlogits (may be logits, for
+// in place): dlogits (rows, Vlocal) = dloss * (softmax - onehot) on this rank's vocabulary
+// columns, 0 on its padding. dlogits = nullptr: the loss only (evaluation).
+template <class T>
+void vocab_parallel_cross_entropy_finish(T* dlogits, acc_t<T>* LLMPAR_RESTRICT losses, const T* logits,
+                                         const acc_t<T>* LLMPAR_RESTRICT gathered, int ranks,
+                                         const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows,
+                                         std::int64_t V, std::int64_t v0, std::int64_t Vlocal, acc_t<T> dloss) {
+  using Acc = acc_t<T>;
+  detail::xent::check_slice("vocab_parallel_cross_entropy_finish", rows, V, v0, Vlocal);
+  LLMPAR_CHECK(ranks >= 1, "vocab_parallel_cross_entropy_finish: ranks = ", ranks, "; it must be >= 1");
+  const std::int64_t n = vocab_columns(V, v0, Vlocal);
+#pragma omp parallel for schedule(static) if (rows * Vlocal >= kMinParallelWork)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    math::OnlineSoftmax<Acc> total;
+    Acc target_logit = 0;
+    for (int k = 0; k < ranks; ++k) {
+      const Acc* st = gathered + (static_cast<std::int64_t>(k) * rows + r) * kVocabStats;
+      total.combine(math::OnlineSoftmax<Acc>{st[0], st[1]});
+      target_logit += st[2];
+    }
+    const Acc lse = total.log_sum_exp();
+    losses[r] = lse - target_logit;
+    if (dlogits == nullptr) continue;
+    const T* x = logits + r * Vlocal;  // (Vlocal)
+    T* d = dlogits + r * Vlocal;       // (Vlocal), may be x
+    const std::int64_t local = targets[r] - v0;
+    const bool here = local >= 0 && local < n;
+    const Acc x_target = here ? static_cast<Acc>(x[local]) : Acc(0);
+#pragma omp simd
+    for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(dloss * math::exp(static_cast<Acc>(x[i]) - lse));
+    if (here) d[local] = static_cast<T>(dloss * (math::exp(x_target - lse) - Acc(1)));
+    std::fill(d + n, d + Vlocal, static_cast<T>(0.0f));
+  }
+}
+
 // probs = softmax(logits / temperature) over one row (sampling).
 // probs: (V); logits: (V). temperature > 0.
 template <class T>

@@ -31,6 +31,7 @@
 #include "llmpar/backend/cuda/gemm.hpp"
 #include "llmpar/backend/cuda/memory.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/kernels/adamw.cuh"
 #include "llmpar/kernels/attention.cuh"
@@ -224,16 +225,17 @@ struct Cuda {
     float* workspace = ctx.scratch_floats(kernels::bias_backward_workspace(rows, n));
     kernels::bias_backward(ctx.stream(), dbias, dout, workspace, rows, n);
   }
+  // wte holds the rows `slice` of the token table (default: all); wpe may be null.
   template <class T>
   static void encoder_forward(Context& ctx, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
-                              std::int64_t B, std::int64_t T_len, std::int64_t C) {
-    kernels::encoder_forward(ctx.stream(), out, tokens, wte, wpe, B, T_len, C);
+                              std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+    kernels::encoder_forward(ctx.stream(), out, tokens, wte, wpe, B, T_len, C, slice);
   }
   template <class T>
   static void encoder_backward(Context& ctx, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens,
-                               std::int64_t B, std::int64_t T_len, std::int64_t C) {
+                               std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
     void* workspace = ctx.scratch(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(B, T_len)));
-    kernels::encoder_backward(ctx.stream(), dwte, dwpe, dout, tokens, workspace, B, T_len, C);
+    kernels::encoder_backward(ctx.stream(), dwte, dwpe, dout, tokens, workspace, B, T_len, C, slice);
   }
   template <class T>
   static void cross_entropy_forward_backward(Context& ctx, T* logits, float* losses, const std::int32_t* targets,
@@ -244,6 +246,22 @@ struct Cuda {
   static void cross_entropy_forward(Context& ctx, float* losses, const T* logits, const std::int32_t* targets,
                                     std::int64_t rows, std::int64_t V, std::int64_t Vp) {
     kernels::cross_entropy_forward(ctx.stream(), losses, logits, targets, rows, V, Vp);
+  }
+  // The vocabulary-parallel loss (kernels/cross_entropy.cuh), the CPU's arguments.
+  static constexpr int kVocabStats = kernels::detail::xent::kVocabStats;  // values per row of the stats
+  template <class T>
+  static void vocab_parallel_cross_entropy_stats(Context& ctx, float* stats, const T* logits,
+                                                 const std::int32_t* targets, std::int64_t rows, std::int64_t V,
+                                                 std::int64_t v0, std::int64_t Vlocal) {
+    kernels::vocab_parallel_cross_entropy_stats(ctx.stream(), stats, logits, targets, rows, V, v0, Vlocal);
+  }
+  template <class T>
+  static void vocab_parallel_cross_entropy_finish(Context& ctx, T* dlogits, float* losses, const T* logits,
+                                                  const float* gathered, int ranks, const std::int32_t* targets,
+                                                  std::int64_t rows, std::int64_t V, std::int64_t v0,
+                                                  std::int64_t Vlocal, float dloss) {
+    kernels::vocab_parallel_cross_entropy_finish(ctx.stream(), dlogits, losses, logits, gathered, ranks, targets, rows,
+                                                 V, v0, Vlocal, dloss);
   }
 
   // Transfers between host memory and device memory, in the compute stream's order.
