@@ -2,11 +2,15 @@
 // block (RMSNorm, rotary position embeddings, SwiGLU MLP) written outside llmpar, in
 // custom_layer.hpp, from llmpar's layers and kernels plus the user's own element-wise
 // code. Nothing in llmpar's model code knows about it, yet it trains under tensor
-// parallelism: the block is built from ColumnParallelLinear / RowParallelLinear, so
-// splitting it over ranks is the building blocks' job, not the user's.
+// and sequence parallelism: the block is built from ColumnParallelLinear /
+// RowParallelLinear and the group's gather_rows / reduce_rows, so splitting it over
+// ranks is the building blocks' job, not the user's. The layout is a composed policy
+// (llmpar::Compose<parallel::Tensor<SequenceParallel::on|off>>): --sp picks one of two
+// instantiations of run().
 //
 //   custom_layer                            # 300 steps on the fortunes corpus, one rank
 //   custom_layer --ranks 2 --tp 2           # the block's heads and MLP split over 2 ranks
+//   custom_layer --ranks 2 --tp 2 --sp      # ... and the norms and residuals' rows too
 //   custom_layer --ranks 4 --tp 2 --batch 4 # 2-way tensor parallel x 2 replicas
 //
 // Read custom_layer.hpp first: its top comment says what a user writes and why that is
@@ -29,7 +33,8 @@ using namespace llmpar;
 namespace {
 
 struct Options {
-  int tp = 1;  // tensor-parallel degree; the other ranks replicate (data parallel)
+  int tp = 1;       // tensor-parallel degree; the other ranks replicate (data parallel)
+  bool sp = false;  // sequence parallelism within the tp group
   std::int64_t steps = 300;
   std::int64_t batch = 8;
   std::int64_t seq = 64;
@@ -41,7 +46,8 @@ struct Options {
   custom_layer::LlamaConfig model;
 };
 
-// One rank's run.
+// One rank's run under the composed policy `Policy`.
+template <class Policy>
 int run(const Options& o, comm::Comm& world) {
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
@@ -61,7 +67,7 @@ int run(const Options& o, comm::Comm& world) {
   LLMPAR_CHECK(o.tp >= 1 && world.size() % o.tp == 0, "--tp ", o.tp, " does not divide the ", world.size(),
                " ranks; use a tp that divides --ranks");
   comm::Grid grid(world, {.tp = o.tp});
-  const nn::TensorParallelGroup tp(&grid.tp());
+  const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
   data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(o.seq)};
   lc.rank = grid.dp().rank();
   lc.world = grid.dp().size();
@@ -79,6 +85,7 @@ int run(const Options& o, comm::Comm& world) {
   say("train: %lld steps, %d rank%s (tp %d x dp %d) x batch %lld x %lld, lr %.2e\n", static_cast<long long>(o.steps),
       world.size(), world.size() > 1 ? "s" : "", grid.tp().size(), grid.dp().size(), static_cast<long long>(o.batch),
       static_cast<long long>(o.seq), static_cast<double>(o.lr));
+  say("policy: %s\n", Policy::kName);
 
   backend::cpu::Context ctx;
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = 0.1f, .grad_clip = 1.0f};
@@ -127,6 +134,9 @@ int main(int argc, char** argv) {
   CLI::App app{"custom_layer: train a model of user-defined LLaMA-style blocks with llmpar"};
   app.add_option("--tp", o.tp, "Tensor-parallel degree: split every block's heads and MLP over this many ranks")
       ->capture_default_str();
+  app.add_flag("--sp", o.sp,
+               "Sequence parallelism: the norms and residual stream hold 1/tp of the rows (needs --seq divisible by "
+               "--tp)");
   app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
   app.add_option("--batch", o.batch, "Sequences per batch and rank")->capture_default_str();
   app.add_option("--seq", o.seq, "Sequence length T")->capture_default_str();
@@ -145,7 +155,9 @@ int main(int argc, char** argv) {
   try {
     int status = 0;
     launch->run([&](comm::Comm& world) {
-      const int rc = run(o, world);
+      using Split = Compose<parallel::Tensor<SequenceParallel::off>>;
+      using SplitSequence = Compose<parallel::Tensor<SequenceParallel::on>>;
+      const int rc = o.sp ? run<SplitSequence>(o, world) : run<Split>(o, world);
       if (world.rank() == 0) status = rc;
     });
     return status;

@@ -165,7 +165,11 @@ void swiglu_backward(T* dgate_up, const T* dact, const T* gate_up, std::int64_t 
 
 // x + attn(rmsnorm(x)), then + swiglu_mlp(rmsnorm(·)). Under tensor parallelism (tp) the
 // attention splits its heads and the MLP its hidden units over the group's ranks; the
-// norms and the residual stream are whole on every rank.
+// norms and the residual stream are whole on every rank, or, with sequence parallelism,
+// hold this rank's rows. The four calls around each split pair are the whole of it:
+// gather_rows before a column-parallel layer, forward_partial + reduce_rows after a
+// row-parallel one (and the same in backward); without sequence parallelism they are an
+// all-reduce and three no-ops.
 template <class T, class Backend = backend::Cpu>
 class LlamaBlock {
  public:
@@ -177,7 +181,8 @@ class LlamaBlock {
                 "backend::Cpu, or write those two functions as kernels for a device backend");
 
   LlamaBlock(const std::string& name, const LlamaConfig& cfg, nn::TensorParallelGroup tp = {})
-      : dim_(cfg.dim),
+      : tp_(tp),
+        dim_(cfg.dim),
         heads_((tp.check_divides(cfg.heads, "heads"), cfg.heads / tp.size())),
         local_dim_(cfg.dim / tp.size()),
         hidden_local_((tp.check_divides(cfg.hidden, "hidden"), cfg.hidden / tp.size())),
@@ -187,46 +192,65 @@ class LlamaBlock {
         wo_(name + ".attention.wo", cfg.dim, cfg.dim, false, residual_std(cfg), tp),
         ffn_norm_(name + ".ffn_norm", cfg.dim, cfg.norm_eps),
         w_gate_up_(name + ".feed_forward.w_gate_up", cfg.dim, 2 * cfg.hidden, false, cfg.init_std, tp, 2),
-        w_down_(name + ".feed_forward.w_down", cfg.hidden, cfg.dim, false, residual_std(cfg), tp) {}
-
-  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs.
-  void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_;
-    reserve(batch, seq);
-    // Attention on this rank's heads.
-    attention_norm_.forward(ctx, norm1_out_.data(), x, rows);
-    wqkv_.forward(ctx, qkv_.data(), norm1_out_.data(), rows);
-    rotary_.rotate(qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::forward);
-    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_.data(), batch, seq, local_dim_, heads_);
-    wo_.forward(ctx, x_mid_.data(), att_out_.data(), rows);  // all-reduce: the heads' sum
-    Backend::add_inplace(ctx, x_mid_.data(), x, rows * C);
-    // SwiGLU MLP on this rank's hidden units.
-    ffn_norm_.forward(ctx, norm2_out_.data(), x_mid_.data(), rows);
-    w_gate_up_.forward(ctx, gate_up_.data(), norm2_out_.data(), rows);
-    swiglu_forward(act_.data(), gate_up_.data(), rows, hidden_local_);
-    w_down_.forward(ctx, out, act_.data(), rows);  // all-reduce: the hidden units' sum
-    Backend::add_inplace(ctx, out, x_mid_.data(), rows * C);
+        w_down_(name + ".feed_forward.w_down", cfg.hidden, cfg.dim, false, residual_std(cfg), tp) {
+    nn::mark_sequence_parallel<T>(attention_norm_, tp);
+    nn::mark_sequence_parallel<T>(ffn_norm_, tp);
   }
 
-  // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate.
+  // out = block(x). x and out are (B, S, C), or under sequence parallelism this rank's
+  // B·S/tp rows of them (tp.local_rows). Keeps what backward needs.
+  void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
+    const bool sp = tp_.sequence_parallel();
+    reserve(batch, seq);
+    // Attention on this rank's heads: every row enters ("f": all-gather of the rows under
+    // sequence parallelism, nothing without), the heads' partial sums leave ("g").
+    attention_norm_.forward(ctx, norm1_out_.data(), x, local);
+    wqkv_.forward(ctx, qkv_.data(), tp_.gather_rows(gathered_.data(), norm1_out_.data(), rows, C), rows);
+    rotary_.rotate(qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::forward);
+    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_.data(), batch, seq, local_dim_, heads_);
+    T* attention_partial = sp ? partial_.data() : x_mid_.data();
+    wo_.forward_partial(ctx, attention_partial, att_out_.data(), rows);
+    tp_.reduce_rows(x_mid_.data(), attention_partial, rows, C);
+    Backend::add_inplace(ctx, x_mid_.data(), x, local * C);
+    // SwiGLU MLP on this rank's hidden units, the same way.
+    ffn_norm_.forward(ctx, norm2_out_.data(), x_mid_.data(), local);
+    w_gate_up_.forward(ctx, gate_up_.data(), tp_.gather_rows(gathered_.data(), norm2_out_.data(), rows, C), rows);
+    swiglu_forward(act_.data(), gate_up_.data(), rows, hidden_local_);
+    T* mlp_partial = sp ? partial_.data() : out;
+    w_down_.forward_partial(ctx, mlp_partial, act_.data(), rows);
+    tp_.reduce_rows(out, mlp_partial, rows, C);
+    Backend::add_inplace(ctx, out, x_mid_.data(), local * C);
+  }
+
+  // dx = ∂loss/∂x given dout = ∂loss/∂out (this rank's rows, as in forward); parameter
+  // gradients accumulate (the norms', under sequence parallelism, over this rank's rows:
+  // they are marked, and the trainer sums them over the group).
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_;
-    reserve_scratch(rows);
-    // MLP, last layer first.
-    w_down_.backward(ctx, d_act_.data(), dout, act_.data(), rows);
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
+    const bool sp = tp_.sequence_parallel();
+    reserve_scratch(rows, local);
+    // MLP, last layer first. The row-parallel layer sees every row of dout.
+    w_down_.backward(ctx, d_act_.data(), tp_.gather_rows(gathered_.data(), dout, rows, C), act_.data(), rows);
     swiglu_backward(d_gate_up_.data(), d_act_.data(), gate_up_.data(), rows, hidden_local_);
-    w_gate_up_.backward(ctx, d_c0_.data(), d_gate_up_.data(), norm2_out_.data(), rows);  // all-reduce of dx
+    T* dnorm2 = sp ? partial_.data() : d_c0_.data();
+    w_gate_up_.backward_partial(ctx, dnorm2, d_gate_up_.data(),
+                                tp_.gather_rows(gathered_.data(), norm2_out_.data(), rows, C), rows);
+    tp_.reduce_rows(d_c0_.data(), dnorm2, rows, C);
     T* dx_mid = d_c1_.data();
-    ffn_norm_.backward(ctx, dx_mid, d_c0_.data(), x_mid_.data(), rows);
-    Backend::add_inplace(ctx, dx_mid, dout, rows * C);  // the residual path
+    ffn_norm_.backward(ctx, dx_mid, d_c0_.data(), x_mid_.data(), local);
+    Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
     // Attention.
-    wo_.backward(ctx, d_att_.data(), dx_mid, att_out_.data(), rows);
+    wo_.backward(ctx, d_att_.data(), tp_.gather_rows(gathered_.data(), dx_mid, rows, C), att_out_.data(), rows);
     Backend::attention_backward(ctx, d_qkv_.data(), d_att_.data(), qkv_.data(), att_out_.data(), lse_.data(), batch,
                                 seq, local_dim_, heads_);
     rotary_.rotate(d_qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::backward);
-    wqkv_.backward(ctx, d_c0_.data(), d_qkv_.data(), norm1_out_.data(), rows);  // all-reduce of dx
-    attention_norm_.backward(ctx, dx, d_c0_.data(), x, rows);
-    Backend::add_inplace(ctx, dx, dx_mid, rows * C);  // the residual path
+    T* dnorm1 = sp ? partial_.data() : d_c0_.data();
+    wqkv_.backward_partial(ctx, dnorm1, d_qkv_.data(), tp_.gather_rows(gathered_.data(), norm1_out_.data(), rows, C),
+                           rows);
+    tp_.reduce_rows(d_c0_.data(), dnorm1, rows, C);
+    attention_norm_.backward(ctx, dx, d_c0_.data(), x, local);
+    Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
   }
 
   template <class Visit>
@@ -246,25 +270,32 @@ class LlamaBlock {
   }
 
   void reserve(std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, C = dim_, Cl = local_dim_, Hl = hidden_local_;
-    norm1_out_.reserve(rows * C);
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_,
+                       Hl = hidden_local_;
+    tp_.check_sequence(seq);
+    norm1_out_.reserve(local * C);
     qkv_.reserve(rows * 3 * Cl);
     att_out_.reserve(rows * Cl);
     lse_.reserve(batch * heads_ * seq);
-    x_mid_.reserve(rows * C);
-    norm2_out_.reserve(rows * C);
+    x_mid_.reserve(local * C);
+    norm2_out_.reserve(local * C);
     gate_up_.reserve(rows * 2 * Hl);
     act_.reserve(rows * Hl);
+    if (tp_.sequence_parallel()) {
+      gathered_.reserve(rows * C);
+      partial_.reserve(rows * C);
+    }
   }
-  void reserve_scratch(std::int64_t rows) {
+  void reserve_scratch(std::int64_t rows, std::int64_t local) {
     d_act_.reserve(rows * hidden_local_);
     d_gate_up_.reserve(rows * 2 * hidden_local_);
     d_att_.reserve(rows * local_dim_);
     d_qkv_.reserve(rows * 3 * local_dim_);
     d_c0_.reserve(rows * dim_);
-    d_c1_.reserve(rows * dim_);
+    d_c1_.reserve(local * dim_);
   }
 
+  nn::TensorParallelGroup tp_;
   std::int64_t dim_;
   std::int64_t heads_;         // this rank's heads: NH / tp
   std::int64_t local_dim_;     // this rank's attention channels: C / tp
@@ -276,15 +307,18 @@ class LlamaBlock {
   nn::RMSNorm<T, Backend> ffn_norm_;
   nn::ColumnParallelLinear<T, Backend> w_gate_up_;  // (2H, C): gate and up of this rank's hidden units
   nn::RowParallelLinear<T, Backend> w_down_;        // (C, H)
-  // Activations kept for backward (Cl = C / tp, Hl = H / tp).
-  Buffer<T, Space> norm1_out_;  // (B, S, C)
+  // Activations kept for backward (Cl = C / tp, Hl = H / tp; Rl = B·S, or B·S/tp under
+  // sequence parallelism).
+  Buffer<T, Space> norm1_out_;  // (Rl, C)
   Buffer<T, Space> qkv_;        // (B, S, 3Cl), q and k rotated
   Buffer<T, Space> att_out_;    // (B, S, Cl)
   Buffer<Acc, Space> lse_;      // (B, NH/tp, S)
-  Buffer<T, Space> x_mid_;      // (B, S, C)  residual after attention
-  Buffer<T, Space> norm2_out_;  // (B, S, C)
+  Buffer<T, Space> x_mid_;      // (Rl, C)  residual after attention
+  Buffer<T, Space> norm2_out_;  // (Rl, C)
   Buffer<T, Space> gate_up_;    // (B, S, 2Hl)
   Buffer<T, Space> act_;        // (B, S, Hl)
+  // Sequence parallelism: every row gathered, and partial sums before a reduce-scatter.
+  Buffer<T, Space> gathered_, partial_;  // (B·S, C)
   // Gradients that are dead once backward returns.
   Buffer<T, Space> d_act_, d_gate_up_, d_att_, d_qkv_, d_c0_, d_c1_;
 };
@@ -295,7 +329,7 @@ static_assert(nn::check_layer<LlamaBlock<float, backend::Cpu>, backend::Cpu>());
 
 // Token embedding, L LlamaBlocks, a final RMSNorm and an LM head tied to the embedding.
 // The same structure and interface as models::GPT2 (forward, backward, evaluate,
-// logits, zero_grad, parameter_store, config, num_parameters, tensor_parallel), so
+// logits_row, zero_grad, parameter_store, config, num_parameters, tensor_parallel), so
 // train::Trainer, optim::AdamW and train::sample take it as they take GPT-2.
 template <class T, class Backend = backend::Cpu>
 class LlamaModel {
@@ -305,23 +339,20 @@ class LlamaModel {
   using Space = typename Backend::Space;
   using BackendTag = Backend;
 
-  // tp: the group the blocks are split over; the embedding, the LM head and the loss
-  // are whole (replicated) on every rank of it and get the same gradient on each.
+  // tp: the group the model is split over. The blocks split heads and hidden units, the
+  // token table, tied LM head and loss the vocabulary (nn::VocabParallelEmbedding); with
+  // sequence parallelism the residual stream holds this rank's rows.
   LlamaModel(const LlamaConfig& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
-      : cfg_(cfg), tp_(tp), norm_((cfg.validate(), "norm"), cfg.dim, cfg.norm_eps) {
-    tok_embeddings_ =
-        nn::Parameter<T>("tok_embeddings", {cfg.padded_vocab, cfg.dim}, nn::Init::normal(cfg.init_std), true);
+      : cfg_(cfg),
+        tp_(tp),
+        tok_embeddings_((cfg.validate(), "tok_embeddings"), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
+        norm_("norm", cfg.dim, cfg.norm_eps) {
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
     for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("layers." + std::to_string(l), cfg, tp);
+    nn::mark_sequence_parallel<T>(norm_, tp);
     store_.bind(*this);
     store_.initialize(seed);
-    Space::zero(tok_embeddings_.value + cfg.vocab * cfg.dim,
-                static_cast<std::size_t>((cfg.padded_vocab - cfg.vocab) * cfg.dim) * sizeof(T));
-    // Positions enter through the rotary embedding, not a table: the backend's encoder
-    // (token + position) gets a position table of zeros that is not a parameter.
-    no_positions_.resize(cfg.max_seq * cfg.dim);
-    no_positions_.zero();
-    no_positions_grad_.resize(cfg.max_seq * cfg.dim);
+    tok_embeddings_.zero_padding();
   }
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
@@ -333,8 +364,8 @@ class LlamaModel {
     compute_logits(ctx, tokens, batch, seq);
     const std::int64_t rows = batch * seq;
     copy_targets(ctx, targets, rows);
-    Backend::cross_entropy_forward_backward(ctx, logits_.data(), losses_.data(), targets_.data(), rows, cfg_.vocab,
-                                            cfg_.padded_vocab, loss_scale / static_cast<Acc>(rows));
+    tok_embeddings_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows,
+                         loss_scale / static_cast<Acc>(rows));
     backward_ready_ = true;
     return mean_loss(ctx, rows);
   }
@@ -343,24 +374,19 @@ class LlamaModel {
   void backward(Context& ctx) {
     LLMPAR_CHECK(backward_ready_, "backward() needs a training forward() first");
     backward_ready_ = false;
-    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
+    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, local = tp_.local_rows(rows), C = cfg_.dim,
+                       L = cfg_.layers;
     dnorm_.reserve(rows * C);
-    dres_[0].reserve(rows * C);
-    dres_[1].reserve(rows * C);
-    // LM head, tied to the embedding: logits = norm_out · tok_embeddingsᵀ.
-    Backend::template gemm<T>(ctx, dnorm_.data(), logits_.data(), tok_embeddings_.value, nullptr, rows, C,
-                              cfg_.padded_vocab, {});
-    Backend::template gemm<T>(ctx, tok_embeddings_.grad, logits_.data(), norm_out_.data(), nullptr, cfg_.padded_vocab,
-                              C, rows, {.trans_a = true, .trans_b = false, .accumulate = true});
-    norm_.backward(ctx, dres_[0].data(), dnorm_.data(), residual(L), rows);
+    dres_[0].reserve(local * C);
+    dres_[1].reserve(local * C);
+    tok_embeddings_.head_backward(ctx, dnorm_.data(), logits_.data(), norm_out_.data(), rows);
+    norm_.backward(ctx, dres_[0].data(), dnorm_.data(), residual(L), local);
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq);
     }
-    no_positions_grad_.zero();
-    Backend::encoder_backward(ctx, tok_embeddings_.grad, no_positions_grad_.data(), dres_[L % 2].data(), tokens_.data(),
-                              batch, seq, C);
+    tok_embeddings_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq, nullptr);
   }
 
   // Mean loss without touching any gradient state.
@@ -369,23 +395,25 @@ class LlamaModel {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
     copy_targets(ctx, targets, batch * seq);
-    Backend::cross_entropy_forward(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, cfg_.vocab,
-                                   cfg_.padded_vocab);
+    tok_embeddings_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
     return mean_loss(ctx, batch * seq);
   }
 
-  // Logits (B, S, padded_vocab); only the first `vocab` columns are meaningful.
-  const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
+  // host_row (padded_vocab) = every column of the logits at `row` (b·S + t) of a batch.
+  void logits_row(Context& ctx, T* host_row, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
+                  std::int64_t row) {
+    LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
+                 " rows");
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
-    return logits_.data();
+    tok_embeddings_.download_row(ctx, host_row, logits_.data() + row * tok_embeddings_.slice().count);
   }
 
   void zero_grad() { store_.zero_grad(); }
 
   template <class Visit>
   void parameters(Visit&& visit) {
-    visit(tok_embeddings_);
+    tok_embeddings_.parameters(visit);
     for (auto& block : blocks_) block.parameters(visit);
     norm_.parameters(visit);
   }
@@ -397,30 +425,32 @@ class LlamaModel {
   std::int64_t num_parameters() const { return store_.full_numel(); }
 
  private:
-  T* residual(std::int64_t l) { return residual_.data() + l * batch_ * seq_ * cfg_.dim; }
+  T* residual(std::int64_t l) { return residual_.data() + l * tp_.local_rows(batch_ * seq_) * cfg_.dim; }
 
   void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
     LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq, "]");
+    tp_.check_sequence(seq);
     batch_ = batch;
     seq_ = seq;
-    const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = cfg_.dim, L = cfg_.layers;
     for (std::int64_t i = 0; i < rows; ++i)
       LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
                    " is outside the vocabulary [0, ", cfg_.vocab, ")");
     tokens_.reserve(rows);
     Backend::upload(ctx, tokens_.data(), tokens, rows);
-    residual_.reserve((L + 1) * rows * C);
+    residual_.reserve((L + 1) * local * C);
+    if (tp_.sequence_parallel()) norm_local_.reserve(local * C);
     norm_out_.reserve(rows * C);
-    logits_.reserve(rows * cfg_.padded_vocab);
+    logits_.reserve(rows * tok_embeddings_.slice().count);
     losses_.reserve(rows);
-    Backend::encoder_forward(ctx, residual(0), tokens_.data(), tok_embeddings_.value, no_positions_.data(), batch, seq,
-                             C);
+    tok_embeddings_.forward(ctx, residual(0), tokens_.data(), batch, seq, nullptr);  // rotary: no position table
     for (std::int64_t l = 0; l < L; ++l)
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-    norm_.forward(ctx, norm_out_.data(), residual(L), rows);
-    Backend::template gemm<T>(ctx, logits_.data(), norm_out_.data(), tok_embeddings_.value, nullptr, rows,
-                              cfg_.padded_vocab, C, {.trans_a = false, .trans_b = true, .accumulate = false});
+    // The final norm on this rank's rows, every row gathered for the LM head.
+    norm_.forward(ctx, tp_.sequence_parallel() ? norm_local_.data() : norm_out_.data(), residual(L), local);
+    tp_.gather_rows(norm_out_.data(), norm_local_.data(), rows, C);
+    tok_embeddings_.head_forward(ctx, logits_.data(), norm_out_.data(), rows);
   }
 
   void copy_targets(Context& ctx, const std::int32_t* targets, std::int64_t rows) {
@@ -442,24 +472,23 @@ class LlamaModel {
 
   LlamaConfig cfg_;
   nn::TensorParallelGroup tp_;
-  nn::Parameter<T> tok_embeddings_;  // (Vp, C), also the LM head
+  nn::VocabParallelEmbedding<T, Backend> tok_embeddings_;  // (Vp, C) split by rows; also the LM head
   std::vector<LlamaBlock<T, Backend>> blocks_;
   nn::RMSNorm<T, Backend> norm_;
   nn::ParameterStore<T, Space> store_;
 
   std::int64_t batch_ = 0, seq_ = 0;
   bool backward_ready_ = false;
-  Buffer<T, Space> no_positions_;        // (max_seq, C) zeros: the encoder's position table
-  Buffer<T, Space> no_positions_grad_;   // (max_seq, C) its gradient, never read
   Buffer<std::int32_t, Space> tokens_;   // (B, S)
   Buffer<std::int32_t, Space> targets_;  // (B, S)
-  Buffer<T, Space> residual_;            // (L+1, B, S, C): every block's input, and the last output
+  Buffer<T, Space> residual_;            // (L+1, Rl, C): every block's input, and the last output
+  Buffer<T, Space> norm_local_;          // (Rl, C) sequence parallelism: this rank's normed rows
   Buffer<T, Space> norm_out_;            // (B, S, C)
-  Buffer<T, Space> logits_;              // (B, S, Vp); ∂loss/∂logits after a training forward
+  Buffer<T, Space> logits_;              // (B, S, Vp/tp); ∂loss/∂logits after a training forward
   Buffer<Acc, Space> losses_;            // (B, S)
   Buffer<Acc> host_losses_;              // (B, S) on the host
   Buffer<T, Space> dnorm_;               // (B, S, C)
-  Buffer<T, Space> dres_[2];             // (B, S, C) ping-pong residual gradients
+  Buffer<T, Space> dres_[2];             // (Rl, C) ping-pong residual gradients
 };
 
 }  // namespace custom_layer

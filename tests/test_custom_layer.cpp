@@ -217,26 +217,24 @@ TEST_CASE("the LLaMA model's gradients of every parameter match central finite d
   CHECK(checked > 150);
 }
 
-TEST_CASE("the LLaMA model split over 1, 2 and 4 tensor-parallel ranks trains as the serial model") {
-  std::mutex mutex;
-  Run serial;
-  {
-    LlamaModel<float> model(small_config(), 99);
-    train_five_steps(model, serial, mutex, true);
-  }
-  CHECK(serial.losses.back() < serial.losses.front());
+// The layout comes from a composed policy, as in a user's trainer: Compose<...> names
+// the algorithm (sequence parallelism or not), the communicator the degree.
+template <class Policy>
+void check_llama_split_like_serial(const Run& serial, std::mutex& mutex) {
   for (int tp : {1, 2, 4}) {
     Run parallel;
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
-      LlamaModel<float> model(small_config(), 99, nn::TensorParallelGroup(&world));
+      LlamaModel<float> model(small_config(), 99, nn::TensorParallelGroup::of<Policy>(&world));
       train_five_steps(model, parallel, mutex, world.rank() == 0);
     });
-    INFO("tp = " << tp);
+    INFO(std::string(Policy::kName) << ", tp = " << tp);
     REQUIRE(parallel.losses.size() == serial.losses.size());
+    double worst_loss = 0.0;
     for (std::size_t s = 0; s < serial.losses.size(); ++s) {
       INFO("step " << s + 1 << ": " << parallel.losses[s] << " vs serial " << serial.losses[s]);
       CHECK(std::abs(parallel.losses[s] - serial.losses[s]) <= 1e-5 * std::abs(serial.losses[s]));
+      worst_loss = std::max(worst_loss, std::abs(parallel.losses[s] - serial.losses[s]) / serial.losses[s]);
     }
     REQUIRE(parallel.params.size() == serial.params.size());
     double worst = 0.0;
@@ -247,8 +245,23 @@ TEST_CASE("the LLaMA model split over 1, 2 and 4 tensor-parallel ranks trains as
       CHECK(d <= 1e-5);
       worst = std::max(worst, d);
     }
-    MESSAGE("tp ", tp, ": largest relative parameter difference from the serial run ", worst);
+    MESSAGE("tp ", tp, std::string(Policy::kSequenceParallel ? " with" : " without"),
+            " sequence parallelism: largest relative difference from the serial run: losses ", worst_loss,
+            ", parameters ", worst);
   }
+}
+
+TEST_CASE("the LLaMA model split over 1, 2 and 4 tensor-parallel ranks, sequence parallel or not, trains as the "
+          "serial model") {
+  std::mutex mutex;
+  Run serial;
+  {
+    LlamaModel<float> model(small_config(), 99);
+    train_five_steps(model, serial, mutex, true);
+  }
+  CHECK(serial.losses.back() < serial.losses.front());
+  check_llama_split_like_serial<Compose<parallel::Tensor<SequenceParallel::off>>>(serial, mutex);
+  check_llama_split_like_serial<Compose<parallel::Tensor<SequenceParallel::on>>>(serial, mutex);
 }
 
 TEST_CASE("a hidden size that the tensor-parallel degree does not divide is named") {

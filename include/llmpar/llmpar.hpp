@@ -32,6 +32,7 @@
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/rmsnorm.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
+#include "llmpar/nn/vocab_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"

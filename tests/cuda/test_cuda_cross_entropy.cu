@@ -37,7 +37,6 @@ namespace cpu = llmpar::backend::cpu;
 namespace kernels = llmpar::kernels;
 using llmpar::backend::cuda::DeviceBuffer;
 using llmpar::backend::cuda::DeviceContext;
-using Stats = llmpar::math::OnlineSoftmax<float>;
 namespace gpu_test = llmpar::gpu_test;
 
 constexpr std::uint64_t kSeed = 20240611;
@@ -88,7 +87,6 @@ void check_host_errors() {
   float* p = host.data();
   std::vector<std::int32_t> targets(8, 0);
   const std::int32_t* t = targets.data();
-  Stats stats[4];
   const cudaStream_t s = nullptr;
   expect_error([&] { kernels::cross_entropy_forward_backward<float>(s, p, p, t, 2, 0, 8, 1.0f); }, "V = 0, Vp = 8",
                "cross_entropy_forward_backward V = 0");
@@ -106,24 +104,32 @@ void check_host_errors() {
                "cross_entropy_forward V = 0");
   expect_error([&] { kernels::cross_entropy_forward<float>(s, nullptr, p, t, 3, 4, 4); }, "losses is null",
                "cross_entropy_forward null losses");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, stats, p, p, t, 2, -1, 8); },
-               "v0 = -1, Vlocal = 8", "vocab_parallel_cross_entropy_stats v0 < 0");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<bf16>(s, stats, p, nullptr, t, 2, 0, 0); },
+  // vocab_parallel_cross_entropy_stats(stream, stats, logits, targets, rows, V, v0, Vlocal)
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, p, p, t, 2, 16, -1, 8); },
+               "V = 16, v0 = -1, Vlocal = 8", "vocab_parallel_cross_entropy_stats v0 < 0");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<bf16>(s, p, nullptr, t, 2, 16, 0, 0); },
                "Vlocal = 0", "vocab_parallel_cross_entropy_stats Vlocal = 0");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, nullptr, p, p, t, 2, 0, 8); },
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, p, p, t, 2, 0, 0, 8); }, "V = 0",
+               "vocab_parallel_cross_entropy_stats V = 0");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_stats<float>(s, nullptr, p, t, 2, 16, 0, 8); },
                "stats is null", "vocab_parallel_cross_entropy_stats null stats");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, stats, p, t, -2, 0, 8, 1.0f); },
+  // vocab_parallel_cross_entropy_finish(stream, grad, losses, logits, gathered, ranks, targets, rows, V, v0, Vlocal, dloss)
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, p, p, 2, t, -2, 16, 0, 8, 1.0f); },
                "rows = -2", "vocab_parallel_cross_entropy_finish rows < 0");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, stats, p, t, 2, 0, 8, INFINITY); },
-               "dloss = inf", "vocab_parallel_cross_entropy_finish dloss inf");
-  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, nullptr, p, t, 2, 0, 8, 1.0f); },
-               "global_stats is null", "vocab_parallel_cross_entropy_finish null global_stats");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, p, p, 0, t, 2, 16, 0, 8, 1.0f); },
+               "ranks = 0", "vocab_parallel_cross_entropy_finish ranks = 0");
+  expect_error(
+      [&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, p, p, 2, t, 2, 16, 0, 8, INFINITY); },
+      "dloss = inf", "vocab_parallel_cross_entropy_finish dloss inf");
+  expect_error([&] { kernels::vocab_parallel_cross_entropy_finish<float>(s, p, p, p, nullptr, 2, t, 2, 16, 0, 8, 1.0f); },
+               "gathered is null", "vocab_parallel_cross_entropy_finish null gathered");
   // No rows is not an error and launches nothing (so it works without a device).
   try {
     kernels::cross_entropy_forward_backward<float>(s, nullptr, nullptr, nullptr, 0, 4, 8, 1.0f);
     kernels::cross_entropy_forward<bf16>(s, nullptr, nullptr, nullptr, 0, 4, 8);
-    kernels::vocab_parallel_cross_entropy_stats<f16>(s, nullptr, nullptr, nullptr, nullptr, 0, 0, 8);
-    kernels::vocab_parallel_cross_entropy_finish<f16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 8, 1.0f);
+    kernels::vocab_parallel_cross_entropy_stats<f16>(s, nullptr, nullptr, nullptr, 0, 16, 0, 8);
+    kernels::vocab_parallel_cross_entropy_finish<f16>(s, nullptr, nullptr, nullptr, nullptr, 2, nullptr, 0, 16, 0, 8,
+                                                      1.0f);
   } catch (const std::exception& e) {
     expect(false, std::string("rows = 0 should be a no-op: ") + e.what());
   }
@@ -210,13 +216,19 @@ void fused_case(const DeviceContext& context, std::int64_t rows, std::int64_t V,
 // The vocabulary split in `slices` parts (the first ones multiples of 8 columns, so both
 // the vector and the element path run): stats per slice, combined on the host in slice
 // order, then finish per slice, against the unsplit kernel.
+// The vocabulary split over `ranks` equal slices of the padded vocabulary (the layout of
+// nn::VocabParallelEmbedding: the last slices may hold padding only). Each slice's stats
+// on the device, then the (ranks, rows, 3) gathered stats and finish on every slice:
+// losses equal to the unsplit kernel's, dlogits to its columns, and every value equal
+// to the CPU's vocabulary-parallel functions within the storage type's tolerance.
 template <class T>
-void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, int slices) {
+void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::int64_t V, std::int64_t Vp, int ranks) {
   const cudaStream_t stream = context.compute();
+  constexpr int kStats = kernels::detail::xent::kVocabStats;
   const std::string tag = std::string("vocab_parallel ") + dtype_name<T>() + " rows=" + std::to_string(rows) +
-                          " V=" + std::to_string(V) + " slices=" + std::to_string(slices);
-  const std::string seed = "vp." + std::to_string(rows) + "x" + std::to_string(V);
-  const auto logits = random_logits<T>(rows, V, V, "logits." + seed);
+                          " V=" + std::to_string(V) + " Vp=" + std::to_string(Vp) + " ranks=" + std::to_string(ranks);
+  const std::string seed = "vp." + std::to_string(rows) + "x" + std::to_string(V) + "x" + std::to_string(Vp);
+  const auto logits = random_logits<T>(rows, V, Vp, "logits." + seed);  // NaN on the padding
   auto targets = random_targets(rows, V, "targets." + seed);
   const float dloss = 1.0f / static_cast<float>(rows);
 
@@ -224,75 +236,85 @@ void vocab_parallel_case(const DeviceContext& context, std::int64_t rows, std::i
   auto d_targets = upload(targets, stream);
   auto d_full = upload(logits, stream);
   DeviceBuffer<float> d_full_losses(rows, stream);
-  kernels::cross_entropy_forward_backward<T>(stream, d_full.data(), d_full_losses.data(), d_targets.data(), rows, V, V,
+  kernels::cross_entropy_forward_backward<T>(stream, d_full.data(), d_full_losses.data(), d_targets.data(), rows, V, Vp,
                                              dloss);
   const auto full_dlogits = download(d_full);
   const auto full_losses = download(d_full_losses);
 
-  // Slice boundaries.
-  std::vector<std::int64_t> begin(slices + 1);
-  const std::int64_t width = (V / slices + 7) / 8 * 8;
-  for (int i = 0; i < slices; ++i) begin[i] = std::min<std::int64_t>(i * width, V);
-  begin[slices] = V;
-
-  std::vector<std::vector<T>> local(slices);
+  const std::int64_t Vlocal = Vp / ranks;
+  std::vector<std::vector<T>> local(ranks);
   std::vector<DeviceBuffer<T>> d_local;
-  std::vector<Stats> global(rows);
-  std::vector<float> target_logit(rows, 0.0f);
-  for (int i = 0; i < slices; ++i) {
-    const std::int64_t v0 = begin[i], Vlocal = begin[i + 1] - begin[i];
+  std::vector<float> gathered(static_cast<std::size_t>(ranks * rows * kStats));
+  std::vector<float> cpu_gathered(gathered.size());
+  for (int i = 0; i < ranks; ++i) {
+    const std::int64_t v0 = i * Vlocal;
     local[i].resize(rows * Vlocal);
     for (std::int64_t r = 0; r < rows; ++r)
-      std::copy_n(logits.begin() + r * V + v0, Vlocal, local[i].begin() + r * Vlocal);
+      std::copy_n(logits.begin() + r * Vp + v0, Vlocal, local[i].begin() + r * Vlocal);
     d_local.push_back(upload(local[i], stream));
-    DeviceBuffer<Stats> d_stats(rows, stream);
-    DeviceBuffer<float> d_tl(rows, stream);
-    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_tl.data(), d_local.back().data(),
-                                                   d_targets.data(), rows, v0, Vlocal);
+    DeviceBuffer<float> d_stats(rows * kStats, stream);
+    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_local.back().data(), d_targets.data(),
+                                                   rows, V, v0, Vlocal);
     const auto stats = download(d_stats);
-    const auto tl = download(d_tl);
+    std::copy(stats.begin(), stats.end(), gathered.begin() + i * rows * kStats);
+    cpu::vocab_parallel_cross_entropy_stats(cpu_gathered.data() + i * rows * kStats, local[i].data(), targets.data(),
+                                            rows, V, v0, Vlocal);
     for (std::int64_t r = 0; r < rows; ++r) {
-      global[r].combine(stats[r]);  // slice (rank) order
       const bool here = targets[r] >= v0 && targets[r] < v0 + Vlocal;
-      expect(here || tl[r] == 0.0f, tag + ": target_logit is 0 where the target is not local");
-      target_logit[r] += tl[r];
+      expect(here || stats[r * kStats + 2] == 0.0f, tag + ": the target logit is 0 where the target is not local");
     }
   }
-  auto d_global = upload(global, stream);
-  auto d_tl = upload(target_logit, stream);
-  std::vector<T> split(rows * V);
+  // A slice of padding only has the empty state, max = -inf: compared exactly.
+  const auto finite = [&](std::size_t i) { return std::isfinite(cpu_gathered[i]); };
+  const double stats_err = compare(gathered, cpu_gathered, {1e-5, 1e-6}, tag + " stats against the CPU", finite);
+  bool same_empty = true;
+  for (std::size_t i = 0; i < gathered.size(); ++i) same_empty = same_empty && (finite(i) || gathered[i] == cpu_gathered[i]);
+  expect(same_empty, tag + ": an all-padding slice has the empty softmax state (-inf, 0)");
+  auto d_gathered = upload(gathered, stream);
+  std::vector<T> split(rows * Vp);
   double loss_err = 0.0;
-  for (int i = 0; i < slices; ++i) {
-    const std::int64_t v0 = begin[i], Vlocal = begin[i + 1] - begin[i];
+  for (int i = 0; i < ranks; ++i) {
+    const std::int64_t v0 = i * Vlocal;
     DeviceBuffer<float> d_losses(rows, stream);
-    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_local[i].data(), d_losses.data(), d_global.data(),
-                                                    d_tl.data(), d_targets.data(), rows, v0, Vlocal, dloss);
+    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_local[i].data(), d_losses.data(), d_local[i].data(),
+                                                    d_gathered.data(), ranks, d_targets.data(), rows, V, v0, Vlocal,
+                                                    dloss);
     const auto losses = download(d_losses);
     loss_err = std::max(loss_err, compare(losses, full_losses, {1e-5, 1e-6}, tag + " losses"));
     const auto g = download(d_local[i]);
-    for (std::int64_t r = 0; r < rows; ++r) std::copy_n(g.begin() + r * Vlocal, Vlocal, split.begin() + r * V + v0);
+    for (std::int64_t r = 0; r < rows; ++r) std::copy_n(g.begin() + r * Vlocal, Vlocal, split.begin() + r * Vp + v0);
+    // The CPU's finish on the same gathered stats.
+    std::vector<T> cpu_grad = local[i];
+    std::vector<float> cpu_losses(rows);
+    cpu::vocab_parallel_cross_entropy_finish(cpu_grad.data(), cpu_losses.data(), cpu_grad.data(), gathered.data(),
+                                             ranks, targets.data(), rows, V, v0, Vlocal, dloss);
+    compare(losses, cpu_losses, {1e-5, 1e-6}, tag + " losses against the CPU");
+    compare(g, cpu_grad, gpu_test::tolerance<T>(kFloatAtol), tag + " dlogits against the CPU");
   }
+  // Padding columns carry no gradient, as in the unsplit kernel.
   const double grad_err = compare(split, full_dlogits, gpu_test::tolerance<T>(kFloatAtol), tag + " dlogits");
 
-  // A negative target is seen by every rank: NaN target logit, loss and dlogits.
+  // A target outside [0, V) is seen by every rank: NaN target logit, loss and dlogits.
   {
-    targets[1] = -5;
+    targets[1] = static_cast<std::int32_t>(V);
     auto d_bad_targets = upload(targets, stream);
-    const std::int64_t Vlocal = begin[1];
-    DeviceBuffer<Stats> d_stats(rows, stream);
-    DeviceBuffer<float> d_tl1(rows, stream), d_losses(rows, stream);
+    DeviceBuffer<float> d_stats(rows * kStats, stream), d_losses(rows, stream);
     auto d_slice = upload(local[0], stream);
-    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_tl1.data(), d_slice.data(),
-                                                   d_bad_targets.data(), rows, 0, Vlocal);
-    expect(std::isnan(download(d_tl1)[1]), tag + ": a negative target's target_logit is NaN");
-    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_slice.data(), d_losses.data(), d_global.data(),
-                                                    d_tl1.data(), d_bad_targets.data(), rows, 0, Vlocal, dloss);
+    kernels::vocab_parallel_cross_entropy_stats<T>(stream, d_stats.data(), d_slice.data(), d_bad_targets.data(), rows,
+                                                   V, 0, Vlocal);
+    const auto stats = download(d_stats);
+    expect(std::isnan(stats[kStats + 2]), tag + ": a target >= V has a NaN target logit");
+    auto d_one = upload(stats, stream);
+    kernels::vocab_parallel_cross_entropy_finish<T>(stream, d_slice.data(), d_losses.data(), d_slice.data(),
+                                                    d_one.data(), 1, d_bad_targets.data(), rows, V, 0, Vlocal, dloss);
     const auto g = download(d_slice);
     bool all_nan = std::isnan(download(d_losses)[1]);
-    for (std::int64_t c = 0; c < Vlocal; ++c) all_nan = all_nan && std::isnan(llmpar::convert<float>(g[Vlocal + c]));
-    expect(all_nan, tag + ": a negative target gives NaN loss and dlogits");
+    const std::int64_t vocab_here = std::min(Vlocal, V);
+    for (std::int64_t c = 0; c < vocab_here; ++c)
+      all_nan = all_nan && std::isnan(llmpar::convert<float>(g[Vlocal + c]));
+    expect(all_nan, tag + ": a target outside the vocabulary gives NaN loss and dlogits");
   }
-  std::printf("%-56s losses %.2e  dlogits %.2e\n", tag.c_str(), loss_err, grad_err);
+  std::printf("%-64s stats %.2e  losses %.2e  dlogits %.2e\n", tag.c_str(), stats_err, loss_err, grad_err);
 }
 
 template <class T>
@@ -303,9 +325,10 @@ void all_cases(const DeviceContext& context) {
   fused_case<T>(context, 17, 1000, 1024);
   fused_case<T>(context, 64, 50257, 50304);
   fused_case<T>(context, 4, 50257, 50257);  // unpadded, odd: the element path
-  for (const int slices : {2, 3}) {
-    vocab_parallel_case<T>(context, 9, 1000, slices);
-    vocab_parallel_case<T>(context, 16, 50257, slices);
+  for (const int ranks : {2, 4}) {
+    vocab_parallel_case<T>(context, 9, 1000, 1024, ranks);
+    vocab_parallel_case<T>(context, 16, 50257, 50304, ranks);
+    vocab_parallel_case<T>(context, 5, 40, 64, ranks);  // with 4 ranks the last holds padding only
   }
 }
 
