@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
         peak = mine[0];
       }
       backend::cpu::Context ctx;
-      const int rc = train_gpt::run<backend::Cpu>(o, world, ctx, peak);
+      const int rc = train_gpt::run_on<backend::Cpu>(o, world, ctx, peak);
       if (world.rank() == 0) status = rc;
     });
     return status;

@@ -51,9 +51,11 @@ inline std::string default_val_pattern(const std::string& train) {
   return train.substr(0, pos) + "val" + train.substr(pos + 5);
 }
 
-// One rank's training run on backend B. peak: the MFU denominator in GFLOP/s (0: none).
-template <class B>
-int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double peak) {
+// One rank's training run under the composed policy `Policy` (its backend, and sequence
+// parallelism or not). peak: the MFU denominator in GFLOP/s (0: none).
+template <class Policy>
+int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& ctx, double peak) {
+  using B = typename Policy::backend;
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
@@ -97,7 +99,7 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
                " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
   comm::Grid grid(world, {.tp = o.tp});
   LLMPAR_CHECK(!o.sp || o.tp > 1, "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
-  const nn::TensorParallelGroup tp(&grid.tp(), o.sp ? parallel::SequenceParallel::on : parallel::SequenceParallel::off);
+  const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
@@ -121,6 +123,7 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
       grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(),
       static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
       static_cast<double>(o.lr), static_cast<long long>(warmup), B::kName, peak);
+  say("policy: %s\n", Policy::kName);
 
   train::MetricsWriter metrics(lead ? o.metrics : std::string());
   metrics.write({{"type", "config"},
@@ -181,6 +184,14 @@ int run(const Options& o, comm::Comm& world, typename B::Context& ctx, double pe
         tok.decode(ids).c_str());
   }
   return 0;
+}
+
+// The run on backend B, its layout composed from the flags: --sp chooses sequence
+// parallelism at compile time (one instantiation each); the degrees come from the grid.
+template <class B>
+int run_on(const Options& o, comm::Comm& world, typename B::Context& ctx, double peak) {
+  if (o.sp) return run<Compose<B, parallel::Tensor<SequenceParallel::on>>>(o, world, ctx, peak);
+  return run<Compose<B, parallel::Tensor<SequenceParallel::off>>>(o, world, ctx, peak);
 }
 
 }  // namespace train_gpt

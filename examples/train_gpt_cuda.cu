@@ -20,7 +20,7 @@ int run_cuda(const Options& o, comm::Comm& world) {
   nccl->set_compute_stream(ctx.stream());
   // The MFU denominator: the data sheet's dense 16-bit tensor-core peak of each GPU.
   const double peak = o.peak_gflops > 0.0 ? o.peak_gflops : 1e3 * world.size() * backend::cuda::tensor_peak_tflops(device);
-  return run<backend::Cuda>(o, world, ctx, peak);
+  return run_on<backend::Cuda>(o, world, ctx, peak);
 }
 
 }  // namespace train_gpt

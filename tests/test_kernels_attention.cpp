@@ -472,6 +472,93 @@ TEST_CASE("cross_entropy ignores the padded columns and gives them a zero gradie
   }
 }
 
+namespace {
+
+// The vocabulary-parallel loss run over `ranks` equal slices of (rows, Vp) logits: each
+// slice's stats, gathered in rank order, then every slice's finish. Returns rank 0's
+// losses (checking every rank computed the same bits) and the slices' dlogits put back
+// into (rows, Vp).
+template <class T>
+std::vector<cpu::acc_t<T>> vocab_parallel_loss(const std::vector<T>& logits, std::vector<T>& dlogits,
+                                               const std::vector<std::int32_t>& targets, std::int64_t rows,
+                                               std::int64_t V, std::int64_t Vp, int ranks, cpu::acc_t<T> dloss) {
+  using Acc = cpu::acc_t<T>;
+  const std::int64_t Vlocal = Vp / ranks;
+  std::vector<std::vector<T>> local(static_cast<std::size_t>(ranks), std::vector<T>(rows * Vlocal));
+  std::vector<Acc> gathered(static_cast<std::size_t>(ranks * rows * cpu::kVocabStats));
+  for (int k = 0; k < ranks; ++k) {
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::copy_n(logits.begin() + r * Vp + k * Vlocal, Vlocal, local[k].begin() + r * Vlocal);
+    cpu::vocab_parallel_cross_entropy_stats(gathered.data() + k * rows * cpu::kVocabStats, local[k].data(),
+                                            targets.data(), rows, V, k * Vlocal, Vlocal);
+  }
+  std::vector<Acc> first(static_cast<std::size_t>(rows)), losses(first.size());
+  dlogits.assign(logits.size(), T(0));
+  for (int k = 0; k < ranks; ++k) {
+    cpu::vocab_parallel_cross_entropy_finish(local[k].data(), losses.data(), local[k].data(), gathered.data(), ranks,
+                                             targets.data(), rows, V, k * Vlocal, Vlocal, dloss);
+    if (k == 0) first = losses;
+    CHECK(losses == first);  // every rank: the same loss bits
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::copy_n(local[k].begin() + r * Vlocal, Vlocal, dlogits.begin() + r * Vp + k * Vlocal);
+  }
+  return first;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("the vocabulary-parallel loss over 1, 2, 4 and 8 slices equals the fused kernel", T, float, double) {
+  // Slices of the padded vocabulary: with 8 slices of 3072 / 8 = 384 columns the last
+  // holds 313 vocabulary columns and 71 of padding; {5, 40, 64} over 4 leaves rank 3
+  // nothing but padding (the empty softmax state).
+  for (const VocabShape s : {VocabShape{6, 3001, 3072}, VocabShape{5, 40, 64}, VocabShape{4, 1024, 1024}}) {
+    for (const int ranks : {1, 2, 4, 8}) {
+      CAPTURE(s.V);
+      CAPTURE(ranks);
+      std::vector<T> logits = cast_to<T>(random_normal(s.rows * s.Vp, "xent.vp.logits", 3.0));
+      for (std::int64_t r = 0; r < s.rows; ++r)
+        for (std::int64_t i = s.V; i < s.Vp; ++i) logits[r * s.Vp + i] = T(NAN);  // padding never read
+      const std::vector<std::int32_t> targets = random_targets(s.rows, s.V, "xent.vp.targets");
+      const cpu::acc_t<T> dloss = cpu::acc_t<T>(1) / static_cast<cpu::acc_t<T>>(s.rows);
+      std::vector<T> want = logits, got;
+      std::vector<cpu::acc_t<T>> want_losses(static_cast<std::size_t>(s.rows));
+      cpu::cross_entropy_forward_backward(want.data(), want_losses.data(), targets.data(), s.rows, s.V, s.Vp, dloss);
+      const auto losses = vocab_parallel_loss(logits, got, targets, s.rows, s.V, s.Vp, ranks, dloss);
+      const double tol = std::is_same_v<T, float> ? 2e-6 : 1e-14;
+      for (std::int64_t r = 0; r < s.rows; ++r) CHECK(std::fabs(losses[r] - want_losses[r]) <= tol * (1 + want_losses[r]));
+      double worst = 0.0;
+      for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])));
+      CHECK(worst <= tol * dloss);
+      for (std::int64_t r = 0; r < s.rows; ++r)
+        for (std::int64_t i = s.V; i < s.Vp; ++i) CHECK(got[r * s.Vp + i] == T(0));
+    }
+  }
+}
+
+TEST_CASE("the vocabulary-parallel loss without dlogits leaves the logits and names bad slices") {
+  const std::int64_t rows = 3, V = 30, Vp = 32;
+  const std::vector<float> logits = cast_to<float>(random_normal(rows * Vp, "xent.vp.eval"));
+  const std::vector<std::int32_t> targets = random_targets(rows, V, "xent.vp.eval.targets");
+  std::vector<float> stats(rows * cpu::kVocabStats), losses(rows), fused(rows);
+  cpu::vocab_parallel_cross_entropy_stats(stats.data(), logits.data(), targets.data(), rows, V, 0, Vp);
+  std::vector<float> copy = logits;
+  cpu::vocab_parallel_cross_entropy_finish<float>(nullptr, losses.data(), copy.data(), stats.data(), 1, targets.data(),
+                                                  rows, V, 0, Vp, 0.0f);
+  CHECK(copy == logits);
+  cpu::cross_entropy_forward(fused.data(), logits.data(), targets.data(), rows, V, Vp);
+  for (std::int64_t r = 0; r < rows; ++r) CHECK(std::fabs(losses[r] - fused[r]) <= 2e-6f * (1 + fused[r]));
+  CHECK_THROWS_WITH_AS(
+      cpu::vocab_parallel_cross_entropy_stats(stats.data(), logits.data(), targets.data(), rows, V, -16, 16),
+      doctest::Contains("v0 = -16, Vlocal = 16"), Error);
+  CHECK_THROWS_WITH_AS(cpu::vocab_parallel_cross_entropy_finish(copy.data(), losses.data(), copy.data(), stats.data(),
+                                                                0, targets.data(), rows, V, 0, Vp, 1.0f),
+                       doctest::Contains("ranks = 0"), Error);
+  std::vector<std::int32_t> bad = targets;
+  bad[1] = static_cast<std::int32_t>(V);
+  CHECK_THROWS_WITH_AS(cpu::vocab_parallel_cross_entropy_stats(stats.data(), logits.data(), bad.data(), rows, V, 0, Vp),
+                       doctest::Contains("target token 30 at row 1 is outside the vocabulary [0, 30)"), Error);
+}
+
 TEST_CASE("cross_entropy names the row, the token and the vocabulary of an out-of-range target") {
   const std::int64_t rows = 8, V = 256, Vp = 256;
   std::vector<float> logits = cast_to<float>(random_normal(rows * Vp, "xent.bad.logits"));

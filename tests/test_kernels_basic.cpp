@@ -28,6 +28,7 @@
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
+#include "llmpar/core/slice.hpp"
 #include "llmpar/math/activation.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/math/exp.hpp"
@@ -561,6 +562,33 @@ TEST_CASE("encoder float instantiation matches double, and backward is bitwise i
 
 // =======================================================================================
 // Element-wise
+
+TEST_CASE_TEMPLATE("encoder over row slices: the slices' partial sums are the whole table's embedding, bit for bit",
+                   T, double, float) {
+  // A table of 12 rows over 4 slices of 3: each slice looks up only its tokens (zero for
+  // the others), slice 0 adds the positions, and the partials summed in slice order give
+  // the unsplit embedding exactly. Backward: each slice's dwte gets only its tokens' rows,
+  // and together they are the unsplit dwte.
+  const std::int64_t B = 2, Tlen = 5, C = 7, V = 12, parts = 4, rows_per = V / parts;
+  const std::vector<T> wte = cast_to<T>(random_normal(V * C, "slice.wte"));
+  const std::vector<T> wpe = cast_to<T>(random_normal(Tlen * C, "slice.wpe"));
+  const std::vector<T> dout = cast_to<T>(random_normal(B * Tlen * C, "slice.dout"));
+  const std::vector<std::int32_t> tokens{0, 3, 11, 3, 5, 6, 2, 11, 9, 0};
+  std::vector<T> whole(B * Tlen * C), sum(whole.size(), T(0)), part(whole.size());
+  cpu::encoder_forward(whole.data(), tokens.data(), wte.data(), wpe.data(), B, Tlen, C);
+  std::vector<T> dwte_whole(V * C, T(0)), dwpe_whole(Tlen * C, T(0)), dwte_split(V * C, T(0));
+  cpu::encoder_backward(dwte_whole.data(), dwpe_whole.data(), dout.data(), tokens.data(), B, Tlen, C);
+  for (std::int64_t k = 0; k < parts; ++k) {
+    const RowSlice slice{k * rows_per, rows_per};
+    cpu::encoder_forward(part.data(), tokens.data(), wte.data() + k * rows_per * C, k == 0 ? wpe.data() : nullptr, B,
+                         Tlen, C, slice);
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = sum[i] + part[i];
+    cpu::encoder_backward<T>(dwte_split.data() + k * rows_per * C, nullptr, dout.data(), tokens.data(), B, Tlen, C,
+                             slice);
+  }
+  CHECK(sum == whole);
+  CHECK(dwte_split == dwte_whole);
+}
 
 TEST_CASE_TEMPLATE("add, add_inplace and scale_inplace compute a+b, a+=b and a*=s on odd sizes", T, double, float) {
   for (std::int64_t n : {1, 3, 999, 70001}) {

@@ -15,6 +15,12 @@
 //     kernel's order (positions ascending) with the CPU's rounding after each addition,
 //     so it must match backend/cpu/embedding.hpp BITWISE for float, bf16 and f16,
 //     including when all tokens are equal or drawn from a vocabulary of 5.
+//   - with a row slice (a vocabulary-parallel table of 64 rows in 4 slices of 16),
+//     encoder_forward and encoder_backward give the CPU's bits with and without the
+//     position table; backward leaves the other slices' rows of the table alone; and
+//     the 4 slices' forward outputs, summed with the position table on slice 0 only,
+//     are the unsplit output's bits (each row has one nonzero token term and one
+//     position term, so the sum rounds as the unsplit add).
 //   - the launchers' host checks throw llmpar::Error with messages that name the value
 //     and the fix, before any CUDA call (checked before the no-device skip).
 // Sizes are ragged (n = 1, 7, 1000003; rows 1, 5, 1027; C = 1, 7, 771) and round
@@ -36,6 +42,7 @@
 #include "llmpar/backend/cuda/memory.hpp"
 #include "llmpar/core/bits.hpp"
 #include "llmpar/core/rng.hpp"
+#include "llmpar/core/slice.hpp"
 #include "llmpar/kernels/elementwise.cuh"
 
 #include "gpu_test.hpp"
@@ -163,10 +170,18 @@ void host_checks() {
                "encoder_backward: dwte and dwpe are the same buffer", "encoder_backward with dwte == dwpe");
   expect_error([&] { static_cast<void>(kernels::encoder_backward_workspace_bytes(3, -1)); },
                "encoder_backward_workspace_bytes: B = 3, T_len = -1", "encoder_backward_workspace_bytes with T < 0");
+  // No position gradient (dwpe null) is valid: a vocabulary-parallel embedding has it on
+  // one rank only. These fail on a later argument, so the null dwpe passed the checks.
+  expect_error([&] { kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, nullptr, 1, 4, 8, {16, 16}); },
+               "encoder_backward: workspace is nullptr", "encoder_backward without dwpe or workspace");
+  expect_error([&] { kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, p, 1, 4, 65535 * 128 + 1); },
+               "encoder_backward: C = 8388481 exceeds", "encoder_backward without dwpe, too many columns");
   // Empty work launches nothing and needs no pointer.
   kernels::gelu_forward<float>(nullptr, nullptr, nullptr, 0);
   kernels::bias_add<bf16>(nullptr, nullptr, nullptr, 0, 5);
   kernels::encoder_backward<f16>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4, 8);
+  kernels::encoder_forward<float>(nullptr, p, tokens, p, nullptr, 2, 0, 8, {16, 16});
+  kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, nullptr, 2, 0, 8, {16, 16});
   expect(kernels::encoder_backward_workspace_bytes(0, 7) == 0, "encoder_backward_workspace_bytes(0, 7) == 0");
 }
 
@@ -421,6 +436,136 @@ void check_encoder_backward(cudaStream_t stream) {
   }
 }
 
+// Vocabulary parallel: a table of kSliceVocab rows split into kSlices slices of
+// kSliceRows, as the ranks of a tensor-parallel group hold it.
+constexpr std::int64_t kSlices = 4;
+constexpr std::int64_t kSliceRows = 16;
+constexpr std::int64_t kSliceVocab = kSlices * kSliceRows;
+// C = 7 and 771 run encoder_forward's scalar path, 768 its vectorized one.
+const EncoderShape kSliceShapes[] = {{2, 5, 7, kSliceVocab}, {3, 64, 771, kSliceVocab}, {8, 128, 768, kSliceVocab}};
+
+// Slice k: rows [16 k, 16 k + 16) of the table.
+llmpar::RowSlice slice_of(std::int64_t k) { return {k * kSliceRows, kSliceRows}; }
+
+// Tokens in [0, 64) for the sliced checks: the even positions cycle through one token
+// per slice, so a slice's token repeats every 8 positions (within a sequence and across
+// the batch, for the larger shapes); the first odd positions are the rows on either side
+// of each slice boundary, where an off-by-one in the slice test would show; the rest
+// are random.
+std::vector<std::int32_t> slice_tokens(std::uint64_t seed, std::int64_t count) {
+  std::vector<std::int32_t> tokens = random_tokens(seed, count, kSliceVocab);
+  const std::int32_t repeated[] = {3, 17, 40, 63};
+  const std::int32_t boundaries[] = {15, 16, 31, 32, 47, 48, 0};
+  for (std::int64_t i = 0; i < count; i += 2) tokens[i] = repeated[(i / 2) % 4];
+  for (std::int64_t j = 0; j < std::ssize(boundaries) && 2 * j + 1 < count; ++j) tokens[2 * j + 1] = boundaries[j];
+  return tokens;
+}
+
+// encoder_forward with a row slice: each slice's output, with and without wpe, is the
+// CPU's bits; and the slices' outputs summed in slice order (rounding to T after each
+// addition, as a reduction over the ranks does) with wpe on slice 0 only are the unsplit
+// output's bits. The sum is exact because a row has one nonzero token term (from the
+// slice holding its token) and one position term: at most one addition is not of a zero.
+template <class T>
+void check_encoder_forward_slices(cudaStream_t stream) {
+  for (const EncoderShape& s : kSliceShapes) {
+    const std::int64_t n = s.B * s.T * s.C;
+    const std::vector<std::int32_t> tokens = slice_tokens(107 + s.C, s.B * s.T);
+    const std::vector<T> wte = random_vector<T>(109 + s.C, s.V * s.C, 0.1);  // (V, C), the whole table
+    const std::vector<T> wpe = random_vector<T>(113 + s.C, s.T * s.C, 0.1);
+    DeviceBuffer<std::int32_t> dtokens(tokens.size(), stream);
+    DeviceBuffer<T> dwte(wte.size(), stream), dwpe(wpe.size(), stream), dout(n, stream);
+    dtokens.upload(tokens);
+    dwte.upload(wte);
+    dwpe.upload(wpe);
+    kernels::encoder_forward(stream, dout.data(), dtokens.data(), dwte.data(), dwpe.data(), s.B, s.T, s.C);
+    const std::vector<T> whole = copy_out(dout.data(), n, stream);  // (B, T, C), unsplit
+    std::vector<T> whole_cpu(n);
+    cpu::encoder_forward(whole_cpu.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+    std::int64_t bad = count_different_bits(whole, whole_cpu, "encoder (unsplit)");
+
+    std::vector<T> sum;  // (B, T, C): slice 0 with wpe + slices 1..3 without
+    for (std::int64_t k = 0; k < kSlices; ++k) {
+      const llmpar::RowSlice slice = slice_of(k);
+      // The slice's rows alone, (16, C), as the rank holding them has them.
+      const std::vector<T> part(wte.begin() + slice.first * s.C, wte.begin() + (slice.first + slice.count) * s.C);
+      DeviceBuffer<T> dpart(part.size(), stream);
+      dpart.upload(part);
+      for (const bool with_wpe : {false, true}) {
+        // All bytes 0xFF (NaN in every type) first: a row the kernel should write as
+        // zeros (token outside the slice, no wpe) but skips shows.
+        LLMPAR_CHECK_CUDA(cudaMemsetAsync(dout.data(), 0xFF, dout.bytes(), stream));
+        kernels::encoder_forward(stream, dout.data(), dtokens.data(), dpart.data(), with_wpe ? dwpe.data() : nullptr,
+                                 s.B, s.T, s.C, slice);
+        const std::vector<T> got = copy_out(dout.data(), n, stream);
+        std::vector<T> want(n);
+        cpu::encoder_forward(want.data(), tokens.data(), part.data(), with_wpe ? wpe.data() : nullptr, s.B, s.T, s.C,
+                             slice);
+        bad += count_different_bits(got, want, with_wpe ? "encoder slice (wpe)" : "encoder slice (no wpe)");
+        if (with_wpe != (k == 0)) continue;  // wpe is added on slice 0 only
+        if (sum.empty())
+          sum = got;
+        else
+          cpu::add_inplace(sum.data(), got.data(), n);
+      }
+    }
+    const std::int64_t bad_sum = count_different_bits(sum, whole, "sum of slices");
+    report(bad == 0 && bad_sum == 0, std::string("encoder_forward ") + type_name<T>() + " B=" + std::to_string(s.B) +
+                                         " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+                                         " in 4 slices of 16 rows, with and without wpe: bitwise " +
+                                         (bad == 0 ? "equal to cpu" : "DIFFERENT") + ", sum of slices " +
+                                         (bad_sum == 0 ? "equal to unsplit" : "DIFFERENT"));
+  }
+}
+
+// encoder_backward with a row slice, with and without dwpe: dwte (the slice's rows) and
+// dwpe are the CPU's bits, and the other slices' rows of the table keep their values.
+// dwte and dwpe start from nonzero values, so accumulation (+=) is checked, not assignment.
+template <class T>
+void check_encoder_backward_slices(cudaStream_t stream) {
+  for (const EncoderShape& s : kSliceShapes) {
+    const std::vector<std::int32_t> tokens = slice_tokens(127 + s.C, s.B * s.T);
+    const std::vector<T> grad = random_vector<T>(131 + s.C, s.B * s.T * s.C, 1.0);
+    const std::vector<T> dwte0 = random_vector<T>(137 + s.C, s.V * s.C, 1.0);  // (V, C), the whole table
+    const std::vector<T> dwpe0 = random_vector<T>(139 + s.C, s.T * s.C, 1.0);
+    DeviceBuffer<std::int32_t> dtokens(tokens.size(), stream);
+    DeviceBuffer<T> dgrad(grad.size(), stream), ddwte(dwte0.size(), stream), ddwpe(dwpe0.size(), stream);
+    DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(s.B, s.T)),
+                                      stream);
+    dtokens.upload(tokens);
+    dgrad.upload(grad);
+
+    std::int64_t bad = 0, touched = 0;
+    for (std::int64_t k = 0; k < kSlices; ++k) {
+      const llmpar::RowSlice slice = slice_of(k);
+      const std::int64_t offset = slice.first * s.C;  // the slice's first element in the table
+      for (const bool with_dwpe : {false, true}) {
+        ddwte.upload(dwte0);
+        ddwpe.upload(dwpe0);
+        // The kernel gets the slice's rows of a whole table: a token outside the slice
+        // that it failed to skip would write into another slice's rows, which must stay.
+        kernels::encoder_backward(stream, ddwte.data() + offset, with_dwpe ? ddwpe.data() : nullptr, dgrad.data(),
+                                  dtokens.data(), workspace.data(), s.B, s.T, s.C, slice);
+        const std::vector<T> got_wte = copy_out(ddwte.data(), s.V * s.C, stream);
+        const std::vector<T> got_wpe = copy_out(ddwpe.data(), s.T * s.C, stream);
+        std::vector<T> dwte = dwte0, dwpe = dwpe0;
+        cpu::encoder_backward(dwte.data() + offset, with_dwpe ? dwpe.data() : nullptr, grad.data(), tokens.data(), s.B,
+                              s.T, s.C, slice);
+        bad += count_different_bits(got_wte, dwte, with_dwpe ? "dwte slice (dwpe)" : "dwte slice (no dwpe)") +
+               count_different_bits(got_wpe, dwpe, with_dwpe ? "dwpe slice" : "dwpe untouched");
+        // Not through the CPU kernel: outside the slice the table is as it started.
+        for (std::int64_t i = 0; i < s.V * s.C; ++i)
+          if (!slice.holds(i / s.C) && ordered(got_wte[i]) != ordered(dwte0[i])) ++touched;
+      }
+    }
+    report(bad == 0 && touched == 0,
+           std::string("encoder_backward ") + type_name<T>() + " B=" + std::to_string(s.B) + " T=" +
+               std::to_string(s.T) + " C=" + std::to_string(s.C) +
+               " in 4 slices of 16 rows, with and without dwpe: bitwise " + (bad == 0 ? "equal to cpu" : "DIFFERENT") +
+               ", other slices' rows " + (touched == 0 ? "untouched" : std::to_string(touched) + " elements CHANGED"));
+  }
+}
+
 template <class T>
 void check_type(cudaStream_t stream) {
   check_gelu<T>(stream);
@@ -429,6 +574,8 @@ void check_type(cudaStream_t stream) {
   check_bias_backward<T>(stream);
   check_encoder_forward<T>(stream);
   check_encoder_backward<T>(stream);
+  check_encoder_forward_slices<T>(stream);
+  check_encoder_backward_slices<T>(stream);
 }
 
 }  // namespace

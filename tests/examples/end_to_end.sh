@@ -15,7 +15,8 @@
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative (fp32 on both; different kernels sum in different
-#                 orders). Exits 77 (skipped) after checking the no-device error where
+#                 orders); on a machine with 2 GPUs, also mpirun -np 2 --tp 2 --sp
+#                 (NCCL). Exits 77 (skipped) after checking the no-device error where
 #                 there is no GPU.
 set -euo pipefail
 bin="$1" work="$2" case="$3"
@@ -127,6 +128,20 @@ case "$case" in
         d = $1 - $2; if (d < 0) d = -d
         if (d > 1e-4 * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (cuda)"; bad = 1 }
       } END { exit bad }' || fail "the CUDA backend did not reproduce the CPU backend's losses"
+    # Tensor and sequence parallelism over 2 GPUs (NCCL), where the machine has them.
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if (( gpus >= 2 )); then
+      read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
+      "${launcher[@]}" -np 2 "$bin/train_gpt" --backend cuda --tp 2 --sp "${common[@]}" --metrics gpu_tp.jsonl |
+        tee gpu_tp.txt
+      grep -q 'tp 2 sp x dp 1' gpu_tp.txt || fail "train_gpt --backend cuda --tp 2 --sp did not split over tp 2"
+      paste <(losses cpu.jsonl) <(losses gpu_tp.jsonl) | awk '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-4 * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (cuda, tp 2, sp)"; bad = 1 }
+        } END { exit bad }' || fail "tp 2 with sequence parallelism on 2 GPUs did not reproduce the CPU's losses"
+    else
+      echo "tensor parallelism on CUDA not checked: $gpus GPU(s), it needs 2"
+    fi
     ;;
   *) fail "unknown case '$case'" ;;
 esac

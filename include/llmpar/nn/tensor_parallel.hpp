@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/init.hpp"
@@ -133,6 +134,16 @@ class TensorParallelGroup {
     }
   }
 
+  // A layer whose tensors live in `Space` (memory::Host, memory::Device) is split over
+  // this group only if its communicator reaches that memory: device memory needs NCCL.
+  template <class Space>
+  void check_reaches(const std::string& layer) const {
+    if (Space::kHostAccessible || !split()) return;
+    LLMPAR_CHECK(group_->engine_name() == std::string_view("nccl"), layer,
+                 " keeps its tensors in device memory, which the tensor-parallel group's ", group_->engine_name(),
+                 " communicator cannot read; launch the ranks with mpirun on a build with NCCL");
+  }
+
   // A size that must divide by the group: fails naming the value, what it is and the degree.
   void check_divides(std::int64_t value, const char* what) const {
     LLMPAR_CHECK(value % size() == 0, what, " (", value, ") is not divisible by the tensor-parallel degree ", size(),
@@ -180,7 +191,8 @@ class ColumnParallelLinear {
 
   ColumnParallelLinear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias,
                        float init_std, TensorParallelGroup tp, int groups = 1)
-      : tp_((tp.check_divides(out_features / groups, (name + " output features per group").c_str()), tp)),
+      : tp_((tp.check_divides(out_features / groups, (name + " output features per group").c_str()),
+             tp.check_reaches<typename Backend::Space>(name), tp)),
         linear_(name, in_features, out_features, has_bias, init_std, tp.along(0, groups), tp.along(0, groups)) {}
 
   void forward(Context& ctx, T* y, const T* x, std::int64_t rows) const { linear_.forward(ctx, y, x, rows); }
@@ -226,7 +238,8 @@ class RowParallelLinear {
 
   RowParallelLinear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias,
                     float init_std, TensorParallelGroup tp)
-      : tp_((tp.check_divides(in_features, (name + " input features").c_str()), tp)),
+      : tp_((tp.check_divides(in_features, (name + " input features").c_str()),
+             tp.check_reaches<typename Backend::Space>(name), tp)),
         linear_(name, in_features, out_features, has_bias, init_std, tp.along(1), Split{}) {}
 
   // This rank's partial y (rows, out) = x_local · W_localᵀ (+ b on rank 0), not yet

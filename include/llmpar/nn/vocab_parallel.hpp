@@ -51,7 +51,7 @@ class VocabParallelEmbedding {
   // A table of padded_vocab rows of width dim, of which the first `vocab` are tokens.
   VocabParallelEmbedding(const std::string& name, std::int64_t vocab, std::int64_t padded_vocab, std::int64_t dim,
                          float init_std, TensorParallelGroup tp)
-      : tp_((tp.check_divides(padded_vocab, "the padded vocabulary"), tp)),
+      : tp_((tp.check_divides(padded_vocab, "the padded vocabulary"), tp.check_reaches<Space>(name), tp)),
         vocab_(vocab),
         dim_(dim),
         slice_{tp.rank() * (padded_vocab / tp.size()), padded_vocab / tp.size()},

@@ -66,15 +66,10 @@ class Trainer {
         replicas_(replicas && replicas->size() > 1 ? replicas : nullptr) {
     cfg.validate();
     schedule.validate();
+    // A model split over a tensor-parallel group: clipping takes the norm of the whole
+    // model's gradient (the split parameters' squares summed over the group).
     if constexpr (requires { model.tensor_parallel(); }) {
-      if (model.tensor_parallel().split()) {
-        if constexpr (requires { optimizer_.set_model_parallel(model.tensor_parallel()); }) {
-          optimizer_.set_model_parallel(model.tensor_parallel());
-        } else {
-          LLMPAR_FAIL("the ", Backend::kName, " backend's optimizer cannot yet clip a tensor-parallel model's "
-                      "gradients; train it with tp 1 on this backend");
-        }
-      }
+      if (model.tensor_parallel().split()) optimizer_.set_model_parallel(model.tensor_parallel());
     }
     if (replicas_ && !Backend::Space::kHostAccessible) {
       LLMPAR_CHECK(replicas_->engine_name() == std::string_view("nccl"), "the ", Backend::kName,

@@ -40,6 +40,7 @@
 #include "llmpar/kernels/layernorm.cuh"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 
 namespace llmpar::backend::cuda {
@@ -75,38 +76,53 @@ class Context {
 };
 
 // AdamW over a ParameterStore in device memory: the same update as optim::AdamW (same
-// clipping rule, same per-parameter weight decay), in two launches per step.
+// clipping rule, same per-parameter weight decay), in two launches per step (four and
+// an all-reduce of one float when the model is split over a tensor-parallel group).
 template <class T>
 class AdamW {
  public:
   using Store = nn::ParameterStore<T, memory::Device>;
 
   AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg)
-      : ctx_(ctx), cfg_(cfg), m_(store.flat_size()), v_(store.flat_size()), norm_sq_(1), found_inf_(1) {
+      : ctx_(ctx),
+        store_(store),
+        cfg_(cfg),
+        m_(store.flat_size()),
+        v_(store.flat_size()),
+        norm_sq_(2),
+        found_inf_(1) {
     cfg.validate();
     m_.zero();
     v_.zero();
     found_inf_.zero();
-    std::vector<kernels::AdamWTensor<T, T>> tensors;
-    const T* base = store.values();
-    for (nn::Parameter<T>* p : store.parameters()) {
-      const std::int64_t offset = p->value - base;
-      tensors.push_back({.master = p->value,
-                         .param = nullptr,
-                         .grad = p->grad,
-                         .m = m_.data() + offset,
-                         .v = v_.data() + offset,
-                         .n = p->numel(),
-                         .decay = p->decay});
-    }
-    plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<T, T>>(tensors));
+    plan_.emplace(ctx.stream(), tensors([](const nn::Parameter<T>&) { return true; }));
+  }
+
+  // A model split over a tensor-parallel group: the gradient norm sums the squares of
+  // the split parameters (each rank holds a different slice) over the group and counts
+  // the replicated ones (the same on every rank) once, as optim::AdamW does. The group
+  // must reduce device memory (NCCL).
+  void set_model_parallel(nn::TensorParallelGroup tp) {
+    tp_ = tp;
+    if (!tp.split()) return;
+    split_plan_.emplace(ctx_.stream(), tensors([](const nn::Parameter<T>& p) { return p.split.is_split(); }));
+    replicated_plan_.emplace(ctx_.stream(), tensors([](const nn::Parameter<T>& p) { return !p.split.is_split(); }));
   }
 
   // One update at learning rate lr; returns the gradient norm before clipping.
   double step(float lr) {
     ++step_;
     const cudaStream_t stream = ctx_.stream();
-    plan_->grad_norm_squared(stream, norm_sq_.data(), ctx_.scratch_floats(plan_->workspace_floats()));
+    if (tp_.split()) {
+      // norm² = Σ_group (split parameters' squares) + replicated parameters' squares.
+      squares(*split_plan_, norm_sq_.data());
+      squares(*replicated_plan_, norm_sq_.data() + 1);
+      ctx_.synchronize();  // the group's reduction starts from the host
+      tp_.all_reduce(norm_sq_.data(), 1);
+      kernels::add_inplace(stream, norm_sq_.data(), norm_sq_.data() + 1, 1);
+    } else {
+      squares(*plan_, norm_sq_.data());
+    }
     const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
     LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), stream));
     plan_->step(stream, hp, step_, norm_sq_.data(), 1.0f, cfg_.grad_clip, found_inf_.data());
@@ -120,12 +136,42 @@ class AdamW {
   const optim::AdamWConfig& config() const { return cfg_; }
 
  private:
+  // The plan's tensors: the store's parameters that `keep` selects.
+  template <class Keep>
+  std::vector<kernels::AdamWTensor<T, T>> tensors(Keep keep) {
+    std::vector<kernels::AdamWTensor<T, T>> out;
+    const T* base = store_.values();
+    for (nn::Parameter<T>* p : store_.parameters()) {
+      if (!keep(*p)) continue;
+      const std::int64_t offset = p->value - base;
+      out.push_back({.master = p->value,
+                     .param = nullptr,
+                     .grad = p->grad,
+                     .m = m_.data() + offset,
+                     .v = v_.data() + offset,
+                     .n = p->numel(),
+                     .decay = p->decay});
+    }
+    return out;
+  }
+  // norm_sq (1, device) = Σ grad² over the plan's tensors (0 for none).
+  void squares(const kernels::AdamWPlan<T, T>& plan, float* norm_sq) {
+    if (plan.num_tensors() == 0) {
+      LLMPAR_CHECK_CUDA(cudaMemsetAsync(norm_sq, 0, sizeof(float), ctx_.stream()));
+      return;
+    }
+    plan.grad_norm_squared(ctx_.stream(), norm_sq, ctx_.scratch_floats(plan.workspace_floats()));
+  }
+
   Context& ctx_;
+  Store& store_;
   optim::AdamWConfig cfg_;
   Buffer<float, memory::Device> m_, v_;
-  Buffer<float, memory::Device> norm_sq_;
+  Buffer<float, memory::Device> norm_sq_;  // (2): the total (or the split part), the replicated part
   Buffer<int, memory::Device> found_inf_;
-  std::optional<kernels::AdamWPlan<T, T>> plan_;
+  std::optional<kernels::AdamWPlan<T, T>> plan_;                                   // every parameter: the update
+  std::optional<kernels::AdamWPlan<T, T>> split_plan_, replicated_plan_;  // tensor parallelism: the norm's parts
+  nn::TensorParallelGroup tp_;
   int step_ = 0;
 };
 
