@@ -101,12 +101,14 @@ void register_all(double peak_gflops) {
       ->Iterations(6);
 }
 
-// One training step of a small GPT (L=4, H=8, C=512, T=128, B=8) with its blocks split
-// over tp thread ranks (ThreadComm), each rank with its share of the OpenMP threads:
-// the cost of tensor parallelism's all-reduces against the serial step.
+// One training step of a small GPT (L=4, H=8, C=512, T=128, B=8) split over tp thread
+// ranks (ThreadComm), each rank with its share of the OpenMP threads, without and with
+// sequence parallelism (arguments: tp, sp): the cost of tensor parallelism's
+// communication against the serial step.
 void register_tensor_parallel(double peak_gflops) {
   auto run = [peak_gflops](benchmark::State& state) {
     const int tp = static_cast<int>(state.range(0));
+    const auto sp = state.range(1) != 0 ? SequenceParallel::on : SequenceParallel::off;
     const models::GPT2Config cfg{.layers = 4, .heads = 8, .dim = 512, .max_seq = 128, .vocab = 256,
                                  .padded_vocab = 256};
     const std::int64_t B = 8, T = 128;
@@ -125,13 +127,14 @@ void register_tensor_parallel(double peak_gflops) {
         [&](comm::ThreadComm& thread_world) {
           comm::Comm world(std::move(thread_world));
           backend::cpu::Context ctx;
-          models::GPT2<float> model(cfg, 1337, nn::TensorParallelGroup(&world));
+          models::GPT2<float> model(cfg, 1337, nn::TensorParallelGroup(&world, sp));
           optim::AdamW<float> opt(model.parameter_store(), optim::AdamWConfig{});
           opt.set_model_parallel(model.tensor_parallel());
           auto step = [&] {
             model.zero_grad();
             model.forward(ctx, tokens.data(), targets.data(), B, T);
             model.backward(ctx);
+            nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
             opt.step(1e-4f);
           };
           step();  // warm-up: buffers and GEMM primitives
@@ -153,9 +156,12 @@ void register_tensor_parallel(double peak_gflops) {
     state.counters["MFU"] = flops / per_step / (peak_gflops * 1e9);
   };
   benchmark::RegisterBenchmark("gpt_small/train_step_tp", run)
-      ->Arg(1)
-      ->Arg(2)
-      ->Arg(4)
+      ->ArgNames({"tp", "sp"})
+      ->Args({1, 0})
+      ->Args({2, 0})
+      ->Args({2, 1})
+      ->Args({4, 0})
+      ->Args({4, 1})
       ->Unit(benchmark::kMillisecond)
       ->UseManualTime()
       ->Iterations(1);

@@ -53,7 +53,7 @@ namespace llmpar::kernels {
 namespace detail::xent {
 
 inline constexpr int kThreads = 512;
-inline constexpr int kVocabStats = 3;  // per row: softmax max, softmax sum, target logit
+using math::kVocabStats;  // per row: softmax max, softmax sum, target logit
 inline constexpr int kWarps = kThreads / kWarp;
 inline constexpr std::int64_t kMaxRows = std::numeric_limits<int>::max();              // one block per row
 inline constexpr std::int64_t kMaxColumns = std::numeric_limits<std::int32_t>::max();  // int32 targets
@@ -200,15 +200,9 @@ __global__ void __launch_bounds__(kThreads)
                                  int n_vocab, float dloss, bool vectorized) {
   const std::int64_t row = blockIdx.x;
   // Every thread combines the ranks' states in rank order: the same bits everywhere.
-  math::OnlineSoftmax<float> total;
-  float target_logit = 0.0f;
-  for (int k = 0; k < ranks; ++k) {
-    const float* st = gathered + (static_cast<std::int64_t>(k) * rows + row) * kVocabStats;
-    total.combine(math::OnlineSoftmax<float>{st[0], st[1]});
-    target_logit += st[2];
-  }
-  const float lse = total.log_sum_exp();
-  if (threadIdx.x == 0) losses[row] = lse - target_logit;
+  const math::VocabRowStats<float> stats = math::vocab_row_stats(gathered, ranks, rows, row);
+  const float lse = stats.softmax.log_sum_exp();
+  if (threadIdx.x == 0) losses[row] = lse - stats.target_logit;
   if (grad == nullptr) return;
   const std::int32_t target = targets[row];
   const std::int64_t local = static_cast<std::int64_t>(target) - v0;

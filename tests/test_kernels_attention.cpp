@@ -525,7 +525,8 @@ TEST_CASE_TEMPLATE("the vocabulary-parallel loss over 1, 2, 4 and 8 slices equal
       cpu::cross_entropy_forward_backward(want.data(), want_losses.data(), targets.data(), s.rows, s.V, s.Vp, dloss);
       const auto losses = vocab_parallel_loss(logits, got, targets, s.rows, s.V, s.Vp, ranks, dloss);
       const double tol = std::is_same_v<T, float> ? 2e-6 : 1e-14;
-      for (std::int64_t r = 0; r < s.rows; ++r) CHECK(std::fabs(losses[r] - want_losses[r]) <= tol * (1 + want_losses[r]));
+      for (std::int64_t r = 0; r < s.rows; ++r)
+        CHECK(std::fabs(losses[r] - want_losses[r]) <= tol * (1 + want_losses[r]));
       double worst = 0.0;
       for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])));
       CHECK(worst <= tol * dloss);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "llmpar/config.hpp"
 #include "llmpar/math/exp.hpp"
@@ -76,5 +77,32 @@ struct OnlineSoftmax {
  private:
   LLMPAR_HOST_DEVICE Acc scaled_sum(Acc m) const { return max == m ? sum : sum * math::exp(max - m); }
 };
+
+// ---- Vocabulary-parallel rows ------------------------------------------------------
+// A row of logits whose vocabulary is split over ranks: each rank reduces its columns to
+// kVocabStats values (its OnlineSoftmax's max and sum, and the target's logit if it holds
+// the target, else 0), the group gathers them into (ranks, rows, kVocabStats), and every
+// rank combines a row's in rank order with vocab_row_stats, so all get the same bits.
+// The CPU and CUDA cross-entropy kernels both use it.
+inline constexpr int kVocabStats = 3;
+
+template <class Acc>
+struct VocabRowStats {
+  OnlineSoftmax<Acc> softmax;  // over the whole vocabulary
+  Acc target_logit = 0;
+};
+
+// gathered: (ranks, rows, kVocabStats); the combined statistics of row `row`.
+template <class Acc>
+LLMPAR_HOST_DEVICE VocabRowStats<Acc> vocab_row_stats(const Acc* gathered, int ranks, std::int64_t rows,
+                                                      std::int64_t row) {
+  VocabRowStats<Acc> out;
+  for (int k = 0; k < ranks; ++k) {
+    const Acc* st = gathered + (static_cast<std::int64_t>(k) * rows + row) * kVocabStats;
+    out.softmax.combine(OnlineSoftmax<Acc>{st[0], st[1]});
+    out.target_logit += st[2];  // one rank holds the target: the others add 0
+  }
+  return out;
+}
 
 }  // namespace llmpar::math

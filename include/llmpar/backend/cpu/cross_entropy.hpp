@@ -126,7 +126,7 @@ void cross_entropy_forward(acc_t<T>* LLMPAR_RESTRICT losses, const T* LLMPAR_RES
 //      computes the same loss bits, then writes its own columns' dlogits.
 // The CUDA kernels (kernels/cross_entropy.cuh) take the same arguments and layout.
 
-inline constexpr int kVocabStats = 3;  // per row: softmax max, softmax sum, target logit
+using math::kVocabStats;  // per row: softmax max, softmax sum, target logit
 
 // Columns of the slice [v0, v0 + Vlocal) that are vocabulary (< V); the rest are padding.
 inline std::int64_t vocab_columns(std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
@@ -178,15 +178,9 @@ void vocab_parallel_cross_entropy_finish(T* dlogits, acc_t<T>* LLMPAR_RESTRICT l
   const std::int64_t n = vocab_columns(V, v0, Vlocal);
 #pragma omp parallel for schedule(static) if (rows * Vlocal >= kMinParallelWork)
   for (std::int64_t r = 0; r < rows; ++r) {
-    math::OnlineSoftmax<Acc> total;
-    Acc target_logit = 0;
-    for (int k = 0; k < ranks; ++k) {
-      const Acc* st = gathered + (static_cast<std::int64_t>(k) * rows + r) * kVocabStats;
-      total.combine(math::OnlineSoftmax<Acc>{st[0], st[1]});
-      target_logit += st[2];
-    }
-    const Acc lse = total.log_sum_exp();
-    losses[r] = lse - target_logit;
+    const math::VocabRowStats<Acc> row = math::vocab_row_stats(gathered, ranks, rows, r);
+    const Acc lse = row.softmax.log_sum_exp();
+    losses[r] = lse - row.target_logit;
     if (dlogits == nullptr) continue;
     const T* x = logits + r * Vlocal;  // (Vlocal)
     T* d = dlogits + r * Vlocal;       // (Vlocal), may be x

@@ -80,7 +80,8 @@ void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe, const T*
       if (slice.holds(tokens[bt])) {
         T* LLMPAR_RESTRICT token_row = dwte + (tokens[bt] - slice.first) * C + c0;
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j) token_row[j] = static_cast<T>(static_cast<Acc>(token_row[j]) + static_cast<Acc>(g[j]));
+        for (std::int64_t j = 0; j < n; ++j)
+          token_row[j] = static_cast<T>(static_cast<Acc>(token_row[j]) + static_cast<Acc>(g[j]));
       }
       if (dwpe != nullptr) {
         T* LLMPAR_RESTRICT position_row = dwpe + (bt % Tlen) * C + c0;
