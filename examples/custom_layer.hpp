@@ -1,7 +1,7 @@
-// custom_layer.hpp — a LLaMA-style transformer block written by a user of llmpar, and a
-// small language model around it. examples/custom_layer.cpp trains it;
+// custom_layer.hpp — a LLaMA-style transformer block written by a user of llmpar, and
+// the language model of those blocks. examples/custom_layer.cpp trains it;
 // tests/test_custom_layer.cpp checks it against finite differences and checks that it
-// trains under tensor parallelism exactly as it trains alone.
+// trains under tensor and sequence parallelism exactly as it trains alone.
 //
 // What a user writes, and why it is enough:
 //
@@ -21,10 +21,17 @@
 //    slices: the q and k of the same heads (QKV with groups 3) and the gate and up of
 //    the same hidden units (gate/up with groups 2). That is all `groups` is for.
 //
+//  - Sequence parallelism is four calls of the group around each split pair
+//    (gather_rows before, forward_partial + reduce_rows after), and marking the norms,
+//    whose gradients each rank computes over its rows only (nn::mark_sequence_parallel).
+//
 //  - Every parameter is declared once (name, shape, init, split) and reached only
 //    through parameters(visit). The store, the initialisation from (seed, name, index),
 //    the optimizer, gradient clipping across tensor-parallel ranks and the trainer all
 //    work from that call, so nothing in llmpar changes for a new block.
+//
+//  - The model around the blocks is llmpar's (models::Transformer): a LlamaSpec of a
+//    dozen lines names the block, the final norm and the parameter names.
 //
 // The user's own code here is rotary position embeddings (Su et al. 2021) and the
 // SwiGLU activation (Shazeer 2020), each with its exact backward. It runs in plain host
@@ -327,168 +334,28 @@ static_assert(nn::check_layer<LlamaBlock<float, backend::Cpu>, backend::Cpu>());
 
 // ---- The model ----------------------------------------------------------------------
 
-// Token embedding, L LlamaBlocks, a final RMSNorm and an LM head tied to the embedding.
-// The same structure and interface as models::GPT2 (forward, backward, evaluate,
-// logits_row, zero_grad, parameter_store, config, num_parameters, tensor_parallel), so
-// train::Trainer, optim::AdamW and train::sample take it as they take GPT-2.
-template <class T, class Backend = backend::Cpu>
-class LlamaModel {
- public:
-  using Acc = typename Backend::template Acc<T>;
-  using Context = typename Backend::Context;
-  using Space = typename Backend::Space;
-  using BackendTag = Backend;
-
-  // tp: the group the model is split over. The blocks split heads and hidden units, the
-  // token table, tied LM head and loss the vocabulary (nn::VocabParallelEmbedding); with
-  // sequence parallelism the residual stream holds this rank's rows.
-  LlamaModel(const LlamaConfig& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
-      : cfg_(cfg),
-        tp_(tp),
-        tok_embeddings_((cfg.validate(), "tok_embeddings"), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
-        norm_("norm", cfg.dim, cfg.norm_eps) {
-    blocks_.reserve(static_cast<std::size_t>(cfg.layers));
-    for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("layers." + std::to_string(l), cfg, tp);
-    nn::mark_sequence_parallel<T>(norm_, tp);
-    store_.bind(*this);
-    store_.initialize(seed);
-    tok_embeddings_.zero_padding();
+// What makes llmpar's Transformer this model: the block above, a final RMSNorm, no
+// position table (positions enter through the rotary embedding), and the names. The
+// token embedding, the LM head tied to it, the loss, the vocabulary split, sequence
+// parallelism's final norm, sampling and everything the trainer needs come with it.
+struct LlamaSpec {
+  using Config = LlamaConfig;
+  template <class T, class Backend>
+  using Block = LlamaBlock<T, Backend>;
+  template <class T, class Backend>
+  using Norm = nn::RMSNorm<T, Backend>;
+  static constexpr const char* kTokenTable = "tok_embeddings";
+  static constexpr const char* kPositionTable = nullptr;
+  static constexpr const char* kBlockPrefix = "layers.";
+  template <class T, class Backend>
+  static nn::RMSNorm<T, Backend> final_norm(const LlamaConfig& cfg) {
+    return nn::RMSNorm<T, Backend>("norm", cfg.dim, cfg.norm_eps);
   }
-  LlamaModel(const LlamaModel&) = delete;
-  LlamaModel& operator=(const LlamaModel&) = delete;
-
-  // Training forward: the mean loss over B·S tokens; leaves ∂loss/∂logits (times
-  // loss_scale, for gradient accumulation) ready for backward().
-  Acc forward(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
-              std::int64_t seq, Acc loss_scale = Acc(1)) {
-    compute_logits(ctx, tokens, batch, seq);
-    const std::int64_t rows = batch * seq;
-    copy_targets(ctx, targets, rows);
-    tok_embeddings_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows,
-                         loss_scale / static_cast<Acc>(rows));
-    backward_ready_ = true;
-    return mean_loss(ctx, rows);
-  }
-
-  // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
-  void backward(Context& ctx) {
-    LLMPAR_CHECK(backward_ready_, "backward() needs a training forward() first");
-    backward_ready_ = false;
-    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, local = tp_.local_rows(rows), C = cfg_.dim,
-                       L = cfg_.layers;
-    dnorm_.reserve(rows * C);
-    dres_[0].reserve(local * C);
-    dres_[1].reserve(local * C);
-    tok_embeddings_.head_backward(ctx, dnorm_.data(), logits_.data(), norm_out_.data(), rows);
-    norm_.backward(ctx, dres_[0].data(), dnorm_.data(), residual(L), local);
-    for (std::int64_t l = L - 1; l >= 0; --l) {
-      T* dout = dres_[(L - 1 - l) % 2].data();
-      T* dx = dres_[(L - l) % 2].data();
-      blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq);
-    }
-    tok_embeddings_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq, nullptr);
-  }
-
-  // Mean loss without touching any gradient state.
-  Acc evaluate(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
-               std::int64_t seq) {
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    copy_targets(ctx, targets, batch * seq);
-    tok_embeddings_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
-    return mean_loss(ctx, batch * seq);
-  }
-
-  // host_row (padded_vocab) = every column of the logits at `row` (b·S + t) of a batch.
-  void logits_row(Context& ctx, T* host_row, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
-                  std::int64_t row) {
-    LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
-                 " rows");
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    tok_embeddings_.download_row(ctx, host_row, logits_.data() + row * tok_embeddings_.slice().count);
-  }
-
-  void zero_grad() { store_.zero_grad(); }
-
-  template <class Visit>
-  void parameters(Visit&& visit) {
-    tok_embeddings_.parameters(visit);
-    for (auto& block : blocks_) block.parameters(visit);
-    norm_.parameters(visit);
-  }
-
-  nn::ParameterStore<T, Space>& parameter_store() { return store_; }
-  nn::TensorParallelGroup tensor_parallel() const { return tp_; }
-  const LlamaConfig& config() const { return cfg_; }
-  // Parameters of the whole model (not this rank's share of a split one).
-  std::int64_t num_parameters() const { return store_.full_numel(); }
-
- private:
-  T* residual(std::int64_t l) { return residual_.data() + l * tp_.local_rows(batch_ * seq_) * cfg_.dim; }
-
-  void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
-    LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
-    LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq, "]");
-    tp_.check_sequence(seq);
-    batch_ = batch;
-    seq_ = seq;
-    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = cfg_.dim, L = cfg_.layers;
-    for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
-                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    tokens_.reserve(rows);
-    Backend::upload(ctx, tokens_.data(), tokens, rows);
-    residual_.reserve((L + 1) * local * C);
-    if (tp_.sequence_parallel()) norm_local_.reserve(local * C);
-    norm_out_.reserve(rows * C);
-    logits_.reserve(rows * tok_embeddings_.slice().count);
-    losses_.reserve(rows);
-    tok_embeddings_.forward(ctx, residual(0), tokens_.data(), batch, seq, nullptr);  // rotary: no position table
-    for (std::int64_t l = 0; l < L; ++l)
-      blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-    // The final norm on this rank's rows, every row gathered for the LM head.
-    norm_.forward(ctx, tp_.sequence_parallel() ? norm_local_.data() : norm_out_.data(), residual(L), local);
-    tp_.gather_rows(norm_out_.data(), norm_local_.data(), rows, C);
-    tok_embeddings_.head_forward(ctx, logits_.data(), norm_out_.data(), rows);
-  }
-
-  void copy_targets(Context& ctx, const std::int32_t* targets, std::int64_t rows) {
-    for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(targets[i] >= 0 && targets[i] < cfg_.vocab, "target id ", targets[i], " at position ", i,
-                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    targets_.reserve(rows);
-    Backend::upload(ctx, targets_.data(), targets, rows);
-  }
-
-  // The mean of the per-token losses, summed on the host in position order.
-  Acc mean_loss(Context& ctx, std::int64_t rows) {
-    host_losses_.reserve(rows);
-    Backend::download(ctx, host_losses_.data(), losses_.data(), rows);
-    Acc sum = 0;
-    for (std::int64_t i = 0; i < rows; ++i) sum += host_losses_[i];
-    return sum / static_cast<Acc>(rows);
-  }
-
-  LlamaConfig cfg_;
-  nn::TensorParallelGroup tp_;
-  nn::VocabParallelEmbedding<T, Backend> tok_embeddings_;  // (Vp, C) split by rows; also the LM head
-  std::vector<LlamaBlock<T, Backend>> blocks_;
-  nn::RMSNorm<T, Backend> norm_;
-  nn::ParameterStore<T, Space> store_;
-
-  std::int64_t batch_ = 0, seq_ = 0;
-  bool backward_ready_ = false;
-  Buffer<std::int32_t, Space> tokens_;   // (B, S)
-  Buffer<std::int32_t, Space> targets_;  // (B, S)
-  Buffer<T, Space> residual_;            // (L+1, Rl, C): every block's input, and the last output
-  Buffer<T, Space> norm_local_;          // (Rl, C) sequence parallelism: this rank's normed rows
-  Buffer<T, Space> norm_out_;            // (B, S, C)
-  Buffer<T, Space> logits_;              // (B, S, Vp/tp); ∂loss/∂logits after a training forward
-  Buffer<Acc, Space> losses_;            // (B, S)
-  Buffer<Acc> host_losses_;              // (B, S) on the host
-  Buffer<T, Space> dnorm_;               // (B, S, C)
-  Buffer<T, Space> dres_[2];             // (Rl, C) ping-pong residual gradients
 };
+
+// Token embedding, L LlamaBlocks, a final RMSNorm and an LM head tied to the embedding:
+// train::Trainer, optim::AdamW and train::sample take it as they take models::GPT2.
+template <class T, class Backend = backend::Cpu>
+using LlamaModel = models::Transformer<T, Backend, LlamaSpec>;
 
 }  // namespace custom_layer

@@ -1,26 +1,14 @@
 // llmpar/models/gpt2.hpp — GPT-2: learned positions, pre-LayerNorm blocks, GELU-tanh
 // MLP, weight-tied LM head. Explicit forward and backward per layer, no tape.
 //
-// Why it is built this way:
-//  - Each block owns the activations its backward needs (llm.c style) and a model-owned
-//    scratch holds the gradients that are dead once a block's backward returns, so the
-//    memory a step needs is visible in one place and a recompute policy can later drop
-//    a block's activations without touching the others.
-//  - Parameters are reached only through parameters(visit); the model binds them into a
-//    flat ParameterStore and initialises them from (seed, name, index), so any future
-//    split over ranks starts from exactly these weights.
+// GPT2Block is the block; models::GPT2 is the Transformer (models/transformer.hpp, which
+// says how the model around the blocks is built) of those blocks with GPT2Spec.
 //  - The element type is a template parameter: float trains; double exists so that the
 //    whole model's gradient is checked against finite differences in the tests.
-//  - The backend is a policy tag (backend/backend.hpp): the same source runs on the CPU
-//    (backend::Cpu, the default) and on a GPU (backend::Cuda), with every tensor in the
-//    backend's memory and every kernel the backend's. Inputs arrive on the host and are
-//    checked there before they are copied in.
-//  - The vocabulary is padded (50257 -> 50304) so the LM-head GEMM has aligned rows;
-//    padded logits never enter the loss and get zero gradient.
-//  - Under tensor parallelism (a TensorParallelGroup of tp ranks) the blocks split their
-//    heads and MLP width, and the token table, the tied LM head and the loss split the
-//    vocabulary (nn::VocabParallelEmbedding): no rank ever holds the (B·S, Vp) logits.
-//    With sequence parallelism the LayerNorm and residual regions hold B·S/tp rows.
+//  - Under tensor parallelism a block splits its heads (q, k, v of heads/tp heads per
+//    rank, the output projection row-parallel) and its MLP width (c_fc column-parallel,
+//    c_proj row-parallel); with sequence parallelism its LayerNorms and residual adds
+//    hold this rank's rows.
 #pragma once
 
 #include <cmath>
@@ -33,6 +21,7 @@
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/models/transformer.hpp"
 #include "llmpar/nn/layernorm.hpp"
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
@@ -80,30 +69,6 @@ struct GPT2Config {
   }
 };
 
-namespace detail {
-// Gradients that live only while one block's backward runs; shared by all blocks.
-template <class T, class Space>
-struct BlockScratch {
-  Buffer<T, Space> wide0;              // (rows, 4C)
-  Buffer<T, Space> qkv;                // (rows, 3C)
-  Buffer<T, Space> c0, c1;             // (rows, C)
-  Buffer<T, Space> gathered, partial;  // (rows, C), sequence parallelism only: gathered
-                                       // rows and partial sums before a reduce-scatter
-  void reserve(std::int64_t rows, std::int64_t dim, bool sequence_parallel = false) {
-    wide0.reserve(rows * 4 * dim);
-    qkv.reserve(rows * 3 * dim);
-    c0.reserve(rows * dim);
-    c1.reserve(rows * dim);
-    if (sequence_parallel) {
-      gathered.reserve(rows * dim);
-      partial.reserve(rows * dim);
-    }
-  }
-  std::size_t bytes() const {
-    return wide0.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes();
-  }
-};
-}  // namespace detail
 
 // One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
 template <class T, class Backend = backend::Cpu>
@@ -264,200 +229,25 @@ class GPT2Block {
   detail::BlockScratch<T, Space>* shared_ = nullptr;  // the model's, when it set one
 };
 
-template <class T, class Backend = backend::Cpu>
-class GPT2 {
- public:
-  using Acc = typename Backend::template Acc<T>;
-  using Context = typename Backend::Context;
-  using Space = typename Backend::Space;
-  using BackendTag = Backend;
-
-  // tp: the tensor-parallel group the model is split over (default: none): the blocks
-  // split heads and MLP width, the token table, LM head and loss the vocabulary; the
-  // position table and the final LayerNorm are whole on every rank.
-  GPT2(const GPT2Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
-      : cfg_(cfg),
-        tp_(tp),
-        wte_((cfg.validate(), "wte"), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
-        wpe_("wpe", {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true),
-        lnf_("ln_f", cfg.dim) {
-    blocks_.reserve(static_cast<std::size_t>(cfg.layers));
-    for (std::int64_t l = 0; l < cfg.layers; ++l) blocks_.emplace_back("h." + std::to_string(l), cfg, tp);
-    for (auto& block : blocks_) block.use_scratch(&scratch_);
-    wte_.use_scratch(&scratch_.partial, &scratch_.gathered);
-    nn::mark_sequence_parallel<T>(lnf_, tp);
-    store_.bind(*this);
-    store_.initialize(seed);
-    // Padded token rows are never looked up and never produce a logit that matters:
-    // keep them at zero so they cannot perturb anything.
-    wte_.zero_padding();
+// What makes the Transformer GPT-2: its block, a final LayerNorm, a learned position
+// table, and GPT-2's parameter names (initial values are drawn per name).
+struct GPT2Spec {
+  using Config = GPT2Config;
+  template <class T, class Backend>
+  using Block = GPT2Block<T, Backend>;
+  template <class T, class Backend>
+  using Norm = nn::LayerNorm<T, Backend>;
+  static constexpr const char* kTokenTable = "wte";
+  static constexpr const char* kPositionTable = "wpe";
+  static constexpr const char* kBlockPrefix = "h.";
+  template <class T, class Backend>
+  static nn::LayerNorm<T, Backend> final_norm(const GPT2Config& cfg) {
+    return nn::LayerNorm<T, Backend>("ln_f", cfg.dim);
   }
-  GPT2(const GPT2&) = delete;
-  GPT2& operator=(const GPT2&) = delete;
-
-  // Training forward: returns the mean loss over B·S tokens and leaves ∂loss/∂logits
-  // (times loss_scale, for gradient accumulation) ready for backward().
-  Acc forward(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
-              std::int64_t seq, Acc loss_scale = Acc(1)) {
-    compute_logits(ctx, tokens, batch, seq);
-    const std::int64_t rows = batch * seq;
-    copy_targets(ctx, targets, rows);
-    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows, loss_scale / static_cast<Acc>(rows));
-    backward_ready_ = true;
-    return mean_loss(ctx, rows);
-  }
-
-  // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
-  void backward(Context& ctx) {
-    LLMPAR_CHECK(backward_ready_,
-                 "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
-    backward_ready_ = false;
-    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows);
-    scratch_.reserve(rows, C, tp_.sequence_parallel());
-    dres_[0].reserve(local * C);
-    dres_[1].reserve(local * C);
-    // LM head, tied to wte: this rank's vocabulary columns, dlnf summed over the group.
-    T* dlnf = scratch_.c0.data();  // (Rl, C)
-    wte_.head_backward(ctx, dlnf, logits_.data(), lnf_out_.data(), rows);
-    lnf_.backward(ctx, dres_[0].data(), dlnf, residual(L), local);
-    for (std::int64_t l = L - 1; l >= 0; --l) {
-      T* dout = dres_[(L - 1 - l) % 2].data();
-      T* dx = dres_[(L - l) % 2].data();
-      blocks_[static_cast<std::size_t>(l)].backward(ctx, dx, dout, residual(l), batch, seq, scratch_);
-    }
-    wte_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq, wpe_.grad);
-  }
-
-  // Mean loss without touching any gradient state.
-  Acc evaluate(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
-               std::int64_t seq) {
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    copy_targets(ctx, targets, batch * seq);
-    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
-    return mean_loss(ctx, batch * seq);
-  }
-
-  // This rank's logits (B, S, padded_vocab / tp) of a batch, in the backend's memory:
-  // the columns vocab_slice() (all of them unsplit); only ids < vocab are meaningful.
-  const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    return logits_.data();
-  }
-  // host_row (padded_vocab) = every column of the logits at `row` (b·S + t) of a batch,
-  // gathered over the tensor-parallel group when the vocabulary is split (sampling).
-  void logits_row(Context& ctx, T* host_row, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
-                  std::int64_t row) {
-    LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
-                 " rows");
-    const T* local = logits(ctx, tokens, batch, seq);
-    wte_.download_row(ctx, host_row, local + row * wte_.slice().count);
-  }
-  RowSlice vocab_slice() const { return wte_.slice(); }
-
-  void zero_grad() { store_.zero_grad(); }
-
-  template <class Visit>
-  void parameters(Visit&& visit) {
-    wte_.parameters(visit);
-    visit(wpe_);
-    for (auto& block : blocks_) block.parameters(visit);
-    lnf_.parameters(visit);
-  }
-
-  nn::ParameterStore<T, Space>& parameter_store() { return store_; }
-  nn::TensorParallelGroup tensor_parallel() const { return tp_; }
-  const GPT2Config& config() const { return cfg_; }
-  // Parameters of the whole model (not this rank's share of a split one).
-  std::int64_t num_parameters() const { return store_.full_numel(); }
-
-  // Bytes of activations and activation gradients currently allocated.
-  std::size_t activation_bytes() const {
-    std::size_t n = residual_.bytes() + lnf_out_.bytes() + lnf_local_.bytes() + logits_.bytes() + losses_.bytes() +
-                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + lnf_.activation_bytes() +
-                    wte_.activation_bytes();
-    for (const auto& b : blocks_) n += b.activation_bytes();
-    return n;
-  }
-
- private:
-  T* residual(std::int64_t l) { return residual_.data() + l * tp_.local_rows(batch_ * seq_) * cfg_.dim; }
-
-  void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
-    LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
-    LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
-                 "]; the model was built for at most --seq ", cfg_.max_seq);
-    tp_.check_sequence(seq);
-    batch_ = batch;
-    seq_ = seq;
-    const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows);
-    for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
-                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    tokens_.reserve(rows);
-    Backend::upload(ctx, tokens_.data(), tokens, rows);
-    residual_.reserve((L + 1) * local * C);
-    lnf_out_.reserve(rows * C);
-    logits_.reserve(rows * wte_.slice().count);
-    losses_.reserve(rows);
-    wte_.forward(ctx, residual(0), tokens_.data(), batch, seq, wpe_.value);
-    for (std::int64_t l = 0; l < L; ++l)
-      blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-    if (tp_.sequence_parallel()) {
-      // The final norm on this rank's rows, then every row gathered for the LM head.
-      lnf_local_.reserve(local * C);
-      lnf_.forward(ctx, lnf_local_.data(), residual(L), local);
-      Backend::synchronize(ctx);
-      tp_.gather_rows(lnf_out_.data(), lnf_local_.data(), rows, C);
-    } else {
-      lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
-    }
-    wte_.head_forward(ctx, logits_.data(), lnf_out_.data(), rows);
-  }
-
-  // Targets are checked on the host, then copied into the backend's memory.
-  void copy_targets(Context& ctx, const std::int32_t* targets, std::int64_t rows) {
-    for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(targets[i] >= 0 && targets[i] < cfg_.vocab, "target id ", targets[i], " at position ", i,
-                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    targets_.reserve(rows);
-    Backend::upload(ctx, targets_.data(), targets, rows);
-  }
-
-  // The mean of the per-token losses, summed on the host in position order (the same
-  // order on every backend).
-  Acc mean_loss(Context& ctx, std::int64_t rows) {
-    host_losses_.reserve(rows);
-    Backend::download(ctx, host_losses_.data(), losses_.data(), rows);
-    Acc sum = 0;
-    for (std::int64_t i = 0; i < rows; ++i) sum += host_losses_[i];
-    return sum / static_cast<Acc>(rows);
-  }
-
-  GPT2Config cfg_;
-  nn::TensorParallelGroup tp_;
-  nn::VocabParallelEmbedding<T, Backend> wte_;  // (Vp, C) split by rows; also the LM head
-  nn::Parameter<T> wpe_;                        // (max_seq, C)
-  std::vector<GPT2Block<T, Backend>> blocks_;
-  nn::LayerNorm<T, Backend> lnf_;
-  nn::ParameterStore<T, Space> store_;
-
-  std::int64_t batch_ = 0, seq_ = 0;
-  bool backward_ready_ = false;
-  Buffer<std::int32_t, Space> tokens_;   // (B, S)
-  Buffer<std::int32_t, Space> targets_;  // (B, S)
-  Buffer<T, Space> residual_;            // (L+1, Rl, C): the input of every block, and the last output
-                                         // (Rl = B·S, or this rank's B·S/tp under sequence parallelism)
-  Buffer<T, Space> lnf_out_;             // (B, S, C)
-  Buffer<T, Space> lnf_local_;           // (Rl, C) sequence parallelism only: this rank's normed rows
-  Buffer<T, Space> logits_;              // (B, S, Vp/tp); holds ∂loss/∂logits after a training forward
-  Buffer<Acc, Space> losses_;            // (B, S)
-  Buffer<Acc> host_losses_;              // (B, S) on the host
-  Buffer<T, Space> dres_[2];             // (B, S, C) ping-pong residual gradients
-  detail::BlockScratch<T, Space> scratch_;
 };
+
+// GPT-2: the Transformer of GPT2Blocks (models/transformer.hpp).
+template <class T, class Backend = backend::Cpu>
+using GPT2 = Transformer<T, Backend, GPT2Spec>;
 
 }  // namespace llmpar::models
