@@ -3,6 +3,7 @@
 // serial reduction in rank order; sub-communicators; and every failure mode (mismatch,
 // timeout, a rank that throws, bad buffers) against its message.
 #include <doctest/doctest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -236,6 +237,18 @@ TEST_CASE("ThreadComm: every operation, type and world size 1..8 gives the predi
     });
     CHECK_MESSAGE(wrong.count.load() == 0, wrong.first);
   }
+}
+
+TEST_CASE("run_threads gives each rank its share of OpenMP threads and the caller back its own count") {
+  const int before = omp_get_max_threads();
+  std::vector<int> seen(4, 0);
+  comm::run_threads(4, [&](ThreadComm& world) {
+    seen[static_cast<std::size_t>(world.rank())] = omp_get_max_threads();
+  });
+  for (int t : seen) CHECK(t == std::max(1, before / 4));
+  // Rank 0 ran on this thread: a later serial run must see the count it had before (the
+  // GEMMs partition their work by it, so a changed count changes the rounding).
+  CHECK(omp_get_max_threads() == before);
 }
 
 TEST_CASE("ThreadComm: bytes (std::byte) move through every copy collective") {

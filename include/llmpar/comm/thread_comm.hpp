@@ -798,8 +798,9 @@ void run_threads(int ranks, Body&& body, ThreadOptions options = {}) {
   info.world_ranks.resize(static_cast<std::size_t>(ranks));
   std::iota(info.world_ranks.begin(), info.world_ranks.end(), 0);
   auto group = std::make_shared<detail::ThreadGroup>(world, std::move(info));
+  const int caller_threads = omp_get_max_threads();
   const int omp_threads =
-      options.omp_threads_per_rank > 0 ? options.omp_threads_per_rank : std::max(1, omp_get_max_threads() / ranks);
+      options.omp_threads_per_rank > 0 ? options.omp_threads_per_rank : std::max(1, caller_threads / ranks);
 
   std::mutex error_mutex;
   std::exception_ptr first_error;
@@ -829,6 +830,9 @@ void run_threads(int ranks, Body&& body, ThreadOptions options = {}) {
   threads.reserve(static_cast<std::size_t>(ranks - 1));
   for (int r = 1; r < ranks; ++r) threads.emplace_back(rank_main, r);
   rank_main(0);
+  // Rank 0 ran on the caller's thread: give it back its OpenMP thread count (GEMMs
+  // partition by it, so a later run would otherwise round differently).
+  omp_set_num_threads(caller_threads);
   for (auto& t : threads) t.join();
   if (first_error) std::rethrow_exception(first_error);
 }
