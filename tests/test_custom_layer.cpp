@@ -17,6 +17,7 @@
 #include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/nn/rmsnorm.hpp"
+#include "model_test_util.hpp"
 #include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
@@ -61,13 +62,6 @@ double worst_fd_error(std::vector<double>& x, const std::function<double()>& f, 
   return worst;
 }
 
-std::vector<std::int32_t> random_tokens(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
-  const auto s = rng::Stream::named(seed, "tokens");
-  std::vector<std::int32_t> t(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i)
-    t[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(s.bits(static_cast<std::uint64_t>(i))[0] % vocab);
-  return t;
-}
 
 LlamaConfig small_config() {
   return {.layers = 2,
@@ -178,43 +172,9 @@ TEST_CASE("the LLaMA model's gradients of every parameter match central finite d
   LlamaConfig cfg = small_config();
   cfg.init_std = 0.2f;  // attention far from uniform, so the rotary path matters
   LlamaModel<double> model(cfg, 7);
-  // Norm gains away from one, so their gradients are exercised.
-  for (auto* p : model.parameter_store().parameters())
-    if (p->init.kind != nn::Init::Kind::normal)
-      for (std::int64_t i = 0; i < p->numel(); ++i)
-        p->value[i] += 0.1 * rng::Stream::named(3, p->name).normal(static_cast<std::uint64_t>(i));
-  const std::int64_t B = 2, S = 5;
-  const auto tokens = random_tokens(B * S, cfg.vocab, 1);
-  const auto targets = random_tokens(B * S, cfg.vocab, 2);
-  model.zero_grad();
-  model.forward(ctx, tokens.data(), targets.data(), B, S);
-  model.backward(ctx);
-
-  int checked = 0;
-  double worst = 0.0;
-  for (auto* p : model.parameter_store().parameters()) {
-    const std::int64_t n = p->numel();
-    const std::int64_t stride = std::max<std::int64_t>(1, n / 13);
-    for (std::int64_t i = 0; i < n; i += stride) {
-      if (p->name == "tok_embeddings" && i >= cfg.vocab * cfg.dim) break;  // padded rows: no gradient by design
-      const double saved = p->value[i];
-      const double h = 1e-5;
-      p->value[i] = saved + h;
-      const double up = model.evaluate(ctx, tokens.data(), targets.data(), B, S);
-      p->value[i] = saved - h;
-      const double down = model.evaluate(ctx, tokens.data(), targets.data(), B, S);
-      p->value[i] = saved;
-      const double numeric = (up - down) / (2 * h);
-      const double analytic = p->grad[i];
-      const double err = std::abs(numeric - analytic) / std::max(1e-4, std::abs(numeric) + std::abs(analytic));
-      worst = std::max(worst, err);
-      INFO(p->name, "[", i, "] analytic ", analytic, " numeric ", numeric);
-      CHECK(err < 1e-6);
-      ++checked;
-    }
-  }
-  MESSAGE("checked ", checked, " gradient elements; worst relative error ", worst);
-  CHECK(checked > 150);
+  const auto result = model_test::check_gradients(ctx, model, "tok_embeddings", cfg.vocab, cfg.dim, 2, 5);
+  MESSAGE("checked ", result.checked, " gradient elements; worst relative error ", result.worst);
+  CHECK(result.checked > 150);
 }
 
 // The layout comes from a composed policy, as in a user's trainer: Compose<...> names

@@ -9,8 +9,10 @@
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
+#include "model_test_util.hpp"
 
 using namespace llmpar;
+using model_test::random_tokens;
 
 namespace {
 
@@ -18,13 +20,6 @@ models::GPT2Config small_config() {
   return {.layers = 2, .heads = 2, .dim = 8, .max_seq = 6, .vocab = 11, .padded_vocab = 16, .init_std = 0.2f};
 }
 
-std::vector<std::int32_t> random_tokens(std::int64_t n, std::int64_t vocab, std::uint64_t seed) {
-  const auto s = rng::Stream::named(seed, "tokens");
-  std::vector<std::int32_t> t(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i)
-    t[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(s.bits(static_cast<std::uint64_t>(i))[0] % vocab);
-  return t;
-}
 
 }  // namespace
 
@@ -32,47 +27,9 @@ TEST_CASE("GPT-2 gradients of every parameter match central finite differences i
   backend::cpu::Context ctx;
   const auto cfg = small_config();
   models::GPT2<double> model(cfg, 7);
-  // Give biases and norm parameters non-trivial values so their gradients are exercised.
-  for (auto* p : model.parameter_store().parameters())
-    if (p->init.kind != nn::Init::Kind::normal)
-      for (std::int64_t i = 0; i < p->numel(); ++i)
-        p->value[i] += 0.1 * rng::Stream::named(3, p->name).normal(static_cast<std::uint64_t>(i));
-  const std::int64_t B = 2, S = 5;
-  const auto tokens = random_tokens(B * S, cfg.vocab, 1);
-  const auto targets = random_tokens(B * S, cfg.vocab, 2);
-
-  model.zero_grad();
-  model.forward(ctx, tokens.data(), targets.data(), B, S);
-  model.backward(ctx);
-
-  int checked = 0;
-  double worst = 0.0;
-  for (auto* p : model.parameter_store().parameters()) {
-    // A spread of elements of every parameter (all of the small ones).
-    const std::int64_t n = p->numel();
-    const std::int64_t stride = std::max<std::int64_t>(1, n / 13);
-    for (std::int64_t i = 0; i < n; i += stride) {
-      if (p->name == "wte" && i >= cfg.vocab * cfg.dim) break;  // padded rows: no gradient by design
-      const double saved = p->value[i];
-      const double h = 1e-5;
-      p->value[i] = saved + h;
-      const double up = model.evaluate(ctx, tokens.data(), targets.data(), B, S);
-      p->value[i] = saved - h;
-      const double down = model.evaluate(ctx, tokens.data(), targets.data(), B, S);
-      p->value[i] = saved;
-      const double numeric = (up - down) / (2 * h);
-      const double analytic = p->grad[i];
-      // Relative error, with an absolute floor for gradients that are zero by symmetry
-      // (the key bias shifts every score of a row equally, which softmax ignores).
-      const double err = std::abs(numeric - analytic) / std::max(1e-4, std::abs(numeric) + std::abs(analytic));
-      worst = std::max(worst, err);
-      INFO(p->name, "[", i, "] analytic ", analytic, " numeric ", numeric);
-      CHECK(err < 1e-6);
-      ++checked;
-    }
-  }
-  MESSAGE("checked ", checked, " gradient elements; worst relative error ", worst);
-  CHECK(checked > 200);
+  const auto result = model_test::check_gradients(ctx, model, "wte", cfg.vocab, cfg.dim, 2, 5);
+  MESSAGE("checked ", result.checked, " gradient elements; worst relative error ", result.worst);
+  CHECK(result.checked > 200);
 }
 
 TEST_CASE("padded vocabulary rows get no gradient and stay zero") {

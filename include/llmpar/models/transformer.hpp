@@ -97,22 +97,22 @@ class Transformer {
   Transformer(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
       : cfg_(cfg),
         tp_(tp),
-        wte_((cfg.validate(), Spec::kTokenTable), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
-        lnf_(Spec::template final_norm<T, Backend>(cfg)) {
+        embedding_((cfg.validate(), Spec::kTokenTable), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
+        norm_(Spec::template final_norm<T, Backend>(cfg)) {
     if constexpr (kPositionTable)
-      wpe_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
+      positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
     for (std::int64_t l = 0; l < cfg.layers; ++l)
       blocks_.emplace_back(std::string(Spec::kBlockPrefix) + std::to_string(l), cfg, tp);
     if constexpr (requires(Block& b, detail::BlockScratch<T, Space>* s) { b.use_scratch(s); })
       for (auto& block : blocks_) block.use_scratch(&scratch_);
-    wte_.use_scratch(&scratch_.partial, &scratch_.gathered);
-    nn::mark_sequence_parallel<T>(lnf_, tp);
+    embedding_.use_scratch(&scratch_.partial, &scratch_.gathered);
+    nn::mark_sequence_parallel<T>(norm_, tp);
     store_.bind(*this);
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
     // keep them at zero so they cannot perturb anything.
-    wte_.zero_padding();
+    embedding_.zero_padding();
   }
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -124,7 +124,7 @@ class Transformer {
     compute_logits(ctx, tokens, batch, seq);
     const std::int64_t rows = batch * seq;
     copy_targets(ctx, targets, rows);
-    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows, loss_scale / static_cast<Acc>(rows));
+    embedding_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows, loss_scale / static_cast<Acc>(rows));
     backward_ready_ = true;
     return mean_loss(ctx, rows);
   }
@@ -139,21 +139,22 @@ class Transformer {
     scratch_.c0.reserve(rows * C);
     dres_[0].reserve(local * C);
     dres_[1].reserve(local * C);
-    // LM head, tied to the token table: this rank's vocabulary columns, dlnf summed over
+    // LM head, tied to the token table: this rank's vocabulary columns, dnorm summed over
     // the group.
-    T* dlnf = scratch_.c0.data();  // (Rl, C)
-    wte_.head_backward(ctx, dlnf, logits_.data(), lnf_out_.data(), rows);
-    lnf_.backward(ctx, dres_[0].data(), dlnf, residual(L), local);
+    T* dnorm = scratch_.c0.data();  // (Rl, C)
+    embedding_.head_backward(ctx, dnorm, logits_.data(), norm_out_.data(), rows);
+    norm_.backward(ctx, dres_[0].data(), dnorm, residual(L), local);
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       Block& block = blocks_[static_cast<std::size_t>(l)];
-      if constexpr (requires { block.backward(ctx, dx, dout, dx, batch, seq, scratch_); })
+      if constexpr (requires { block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_); })
         block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_);  // with the shared scratch
       else
         block.backward(ctx, dx, dout, residual(l), batch, seq);
     }
-    wte_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq, kPositionTable ? wpe_.grad : nullptr);
+    embedding_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq,
+                        kPositionTable ? positions_.grad : nullptr);
   }
 
   // Mean loss without touching any gradient state.
@@ -162,7 +163,7 @@ class Transformer {
     compute_logits(ctx, tokens, batch, seq);
     backward_ready_ = false;
     copy_targets(ctx, targets, batch * seq);
-    wte_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
+    embedding_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
     return mean_loss(ctx, batch * seq);
   }
 
@@ -180,18 +181,18 @@ class Transformer {
     LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
                  " rows");
     const T* local = logits(ctx, tokens, batch, seq);
-    wte_.download_row(ctx, host_row, local + row * wte_.slice().count);
+    embedding_.download_row(ctx, host_row, local + row * embedding_.slice().count);
   }
-  RowSlice vocab_slice() const { return wte_.slice(); }
+  RowSlice vocab_slice() const { return embedding_.slice(); }
 
   void zero_grad() { store_.zero_grad(); }
 
   template <class Visit>
   void parameters(Visit&& visit) {
-    wte_.parameters(visit);
-    if constexpr (kPositionTable) visit(wpe_);
+    embedding_.parameters(visit);
+    if constexpr (kPositionTable) visit(positions_);
     for (auto& block : blocks_) block.parameters(visit);
-    lnf_.parameters(visit);
+    norm_.parameters(visit);
   }
 
   nn::ParameterStore<T, Space>& parameter_store() { return store_; }
@@ -202,9 +203,9 @@ class Transformer {
 
   // Bytes of activations and activation gradients currently allocated.
   std::size_t activation_bytes() const {
-    std::size_t n = residual_.bytes() + lnf_out_.bytes() + lnf_local_.bytes() + logits_.bytes() + losses_.bytes() +
-                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + lnf_.activation_bytes() +
-                    wte_.activation_bytes();
+    std::size_t n = residual_.bytes() + norm_out_.bytes() + norm_local_.bytes() + logits_.bytes() + losses_.bytes() +
+                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + norm_.activation_bytes() +
+                    embedding_.activation_bytes();
     if constexpr (requires(const Block& b) { b.activation_bytes(); })
       for (const auto& b : blocks_) n += b.activation_bytes();
     return n;
@@ -228,22 +229,22 @@ class Transformer {
     tokens_.reserve(rows);
     Backend::upload(ctx, tokens_.data(), tokens, rows);
     residual_.reserve((L + 1) * local * C);
-    lnf_out_.reserve(rows * C);
-    logits_.reserve(rows * wte_.slice().count);
+    norm_out_.reserve(rows * C);
+    logits_.reserve(rows * embedding_.slice().count);
     losses_.reserve(rows);
-    wte_.forward(ctx, residual(0), tokens_.data(), batch, seq, kPositionTable ? wpe_.value : nullptr);
+    embedding_.forward(ctx, residual(0), tokens_.data(), batch, seq, kPositionTable ? positions_.value : nullptr);
     for (std::int64_t l = 0; l < L; ++l)
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
     if (tp_.sequence_parallel()) {
       // The final norm on this rank's rows, then every row gathered for the LM head.
-      lnf_local_.reserve(local * C);
-      lnf_.forward(ctx, lnf_local_.data(), residual(L), local);
+      norm_local_.reserve(local * C);
+      norm_.forward(ctx, norm_local_.data(), residual(L), local);
       Backend::synchronize(ctx);
-      tp_.gather_rows(lnf_out_.data(), lnf_local_.data(), rows, C);
+      tp_.gather_rows(norm_out_.data(), norm_local_.data(), rows, C);
     } else {
-      lnf_.forward(ctx, lnf_out_.data(), residual(L), rows);
+      norm_.forward(ctx, norm_out_.data(), residual(L), rows);
     }
-    wte_.head_forward(ctx, logits_.data(), lnf_out_.data(), rows);
+    embedding_.head_forward(ctx, logits_.data(), norm_out_.data(), rows);
   }
 
   // Targets are checked on the host, then copied into the backend's memory.
@@ -267,10 +268,10 @@ class Transformer {
 
   Config cfg_;
   nn::TensorParallelGroup tp_;
-  nn::VocabParallelEmbedding<T, Backend> wte_;  // (Vp, C) split by rows; also the LM head
-  nn::Parameter<T> wpe_;                        // (max_seq, C) when Spec has a position table
+  nn::VocabParallelEmbedding<T, Backend> embedding_;  // (Vp, C) split by rows; also the LM head
+  nn::Parameter<T> positions_;                        // (max_seq, C) when Spec has a position table
   std::vector<Block> blocks_;
-  Norm lnf_;                                    // the final norm
+  Norm norm_;  // the final norm
   nn::ParameterStore<T, Space> store_;
 
   std::int64_t batch_ = 0, seq_ = 0;
@@ -279,12 +280,12 @@ class Transformer {
   Buffer<std::int32_t, Space> targets_;  // (B, S)
   Buffer<T, Space> residual_;            // (L+1, Rl, C): the input of every block, and the last output
                                          // (Rl = B·S, or this rank's B·S/tp under sequence parallelism)
-  Buffer<T, Space> lnf_out_;             // (B, S, C)
-  Buffer<T, Space> lnf_local_;           // (Rl, C) sequence parallelism only: this rank's normed rows
+  Buffer<T, Space> norm_out_;            // (B, S, C)
+  Buffer<T, Space> norm_local_;          // (Rl, C) sequence parallelism only: this rank's normed rows
   Buffer<T, Space> logits_;              // (B, S, Vp/tp); holds ∂loss/∂logits after a training forward
   Buffer<Acc, Space> losses_;            // (B, S)
   Buffer<Acc> host_losses_;              // (B, S) on the host
-  Buffer<T, Space> dres_[2];             // (B, S, C) ping-pong residual gradients
+  Buffer<T, Space> dres_[2];             // (Rl, C) ping-pong residual gradients
   detail::BlockScratch<T, Space> scratch_;
 };
 
