@@ -23,7 +23,7 @@ set -euo pipefail
 # downloaded at build time).
 LLMPAR_PACKAGES=(
   cmake g++ ninja-build
-  libdnnl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
+  libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   fortunes
 )
@@ -152,11 +152,23 @@ cmd_bench() {
   ((ran)) || die "no benchmark programs in $build_dir/benchmarks (is LLMPAR_BUILD_BENCHMARKS off?)"
   local script="$root/benchmarks/pytorch_step.py"
   if [[ -f "$script" ]]; then
-    if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch' >/dev/null 2>&1; then
-      echo "==> benchmarks/pytorch_step.py"
-      /usr/bin/python3 "$script" || failed+=(pytorch_step.py)
+    # PyTorch: $LLMPAR_TORCH_PYTHON, else the venv from benchmarks/pytorch_venv.sh, else
+    # /usr/bin/python3 (Debian's python3-torch).
+    local torch_python="${LLMPAR_TORCH_PYTHON:-}"
+    local torch_venv_python="${LLMPAR_TORCH_VENV:-$HOME/.cache/llmpar/torch-venv}/bin/python"
+    if [[ -z "$torch_python" ]]; then
+      if [[ -x "$torch_venv_python" ]] && "$torch_venv_python" -c 'import torch' >/dev/null 2>&1; then
+        torch_python="$torch_venv_python"
+      elif [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import torch' >/dev/null 2>&1; then
+        torch_python=/usr/bin/python3
+      fi
+    fi
+    if [[ -n "$torch_python" ]]; then
+      echo "==> benchmarks/pytorch_step.py ($torch_python)"
+      OMP_WAIT_POLICY=PASSIVE "$torch_python" "$script" || failed+=(pytorch_step.py)
     else
-      echo "==> benchmarks/pytorch_step.py skipped: /usr/bin/python3 cannot import torch (Debian: python3-torch)"
+      echo "==> benchmarks/pytorch_step.py skipped: no python that imports torch" \
+        "(set it up with: bash benchmarks/pytorch_venv.sh, or set LLMPAR_TORCH_PYTHON)"
     fi
   fi
   ((${#failed[@]} == 0)) || die "benchmarks failed: ${failed[*]}"

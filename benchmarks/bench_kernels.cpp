@@ -11,6 +11,7 @@
 #include <llmpar/backend/cpu/gelu.hpp>
 #include <llmpar/backend/cpu/gemm.hpp>
 #include <llmpar/backend/cpu/layernorm.hpp>
+#include <llmpar/backend/cpu/peak.hpp>
 #include <llmpar/core/rng.hpp>
 #include <llmpar/core/tensor.hpp>
 #include <string>
@@ -163,9 +164,10 @@ int main(int argc, char** argv) {
   double peak = 0.0;
   {
     cpu::Context ctx;
-    peak = cpu::measure_sgemm_peak_gflops(ctx);
+    const cpu::GemmPeak measured = cpu::measure_gemm_peak<float>(ctx);
+    peak = measured.gflops;
+    std::printf("measured f32 GEMM peak: %s\n", measured.describe().c_str());
   }
-  std::printf("measured sgemm peak: %.1f GFLOP/s (oneDNN, square 1536, best of 4)\n", peak);
   benchmark::AddCustomContext("sgemm_peak_gflops", std::to_string(peak));
   register_gemms(peak);
   benchmark::RunSpecifiedBenchmarks();

@@ -7,7 +7,6 @@
 // what the machine's GEMM library can actually do. Compare with PyTorch through
 // benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
 #include <benchmark/benchmark.h>
-
 #include <omp.h>
 
 #include <algorithm>
@@ -71,7 +70,7 @@ void register_all(double peak_gflops) {
       double seconds = 0.0;
       for (auto _ : state) {
         seconds += timed([&] {
-          f.model->zero_grad();
+          f.model->zero_grad(f.ctx);
           benchmark::DoNotOptimize(f.model->forward(f.ctx, f.tokens.data(), f.targets.data(), f.batch, f.seq));
           f.model->backward(f.ctx);
           if (with_optimizer) f.opt->step(1e-4f);
@@ -109,8 +108,8 @@ void register_tensor_parallel(double peak_gflops) {
   auto run = [peak_gflops](benchmark::State& state) {
     const int tp = static_cast<int>(state.range(0));
     const auto sp = state.range(1) != 0 ? SequenceParallel::on : SequenceParallel::off;
-    const models::GPT2Config cfg{.layers = 4, .heads = 8, .dim = 512, .max_seq = 128, .vocab = 256,
-                                 .padded_vocab = 256};
+    const models::GPT2Config cfg{
+        .layers = 4, .heads = 8, .dim = 512, .max_seq = 128, .vocab = 256, .padded_vocab = 256};
     const std::int64_t B = 8, T = 128;
     std::vector<std::int32_t> tokens, targets;
     const auto stream = rng::Stream::named(1, "bench tokens");
@@ -131,7 +130,7 @@ void register_tensor_parallel(double peak_gflops) {
           optim::AdamW<float> opt(model.parameter_store(), optim::AdamWConfig{});
           opt.set_model_parallel(model.tensor_parallel());
           auto step = [&] {
-            model.zero_grad();
+            model.zero_grad(ctx);
             model.forward(ctx, tokens.data(), targets.data(), B, T);
             model.backward(ctx);
             nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
@@ -174,9 +173,10 @@ int main(int argc, char** argv) {
   double peak = 0.0;
   {
     backend::cpu::Context ctx;
-    peak = backend::cpu::measure_sgemm_peak_gflops(ctx);
+    const backend::cpu::GemmPeak measured = backend::cpu::measure_gemm_peak<float>(ctx);
+    peak = measured.gflops;
+    std::printf("measured f32 GEMM peak: %s\n", measured.describe().c_str());
   }
-  std::printf("measured sgemm peak: %.1f GFLOP/s (oneDNN, square 1536, best of 4)\n", peak);
   benchmark::AddCustomContext("sgemm_peak_gflops", std::to_string(peak));
   register_all(peak);
   register_tensor_parallel(peak);

@@ -11,6 +11,8 @@
 // With several ranks each one holds the whole model and reads its own rows of every
 // global batch; gradients and losses are averaged over the ranks, so --ranks N with
 // --batch B trains exactly as one rank with --batch N*B. Rank 0 prints and writes.
+#include "train_gpt.hpp"
+
 #include <CLI/CLI.hpp>
 #include <array>
 #include <cstdio>
@@ -18,8 +20,8 @@
 #include <exception>
 #include <optional>
 #include <string>
-
-#include "train_gpt.hpp"
+#include <utility>
+#include <vector>
 
 using namespace llmpar;
 using train_gpt::Options;
@@ -34,6 +36,43 @@ int cuda_device_count();
 #endif
 
 namespace {
+
+// The CPU's GEMM peak in the run's precision, for MFU: every rank measures at the same
+// time on its own share of the cores (its OpenMP threads), over square products and the
+// model's own GEMM shapes (backend/cpu/peak.hpp says why that makes it an upper bound),
+// and the ranks add what they measured.
+train_gpt::Peak measure_peak(comm::Comm& world, backend::cpu::Context& ctx, DType dtype, const models::GPT2Config& cfg,
+                             std::int64_t rows, int tp) {
+  using backend::cpu::linear_layer_shapes;
+  std::vector<backend::cpu::GemmShape> shapes;
+  const std::int64_t C = cfg.dim;
+  for (const auto& [in, out] : {std::pair{C, 3 * C / tp}, std::pair{C / tp, C}, std::pair{C, 4 * C / tp},
+                                std::pair{4 * C / tp, C}, std::pair{C, cfg.padded_vocab / tp}})
+    for (const backend::cpu::GemmShape& s : linear_layer_shapes(rows, in, out)) shapes.push_back(s);
+  world.barrier();
+  backend::cpu::GemmPeak mine;
+  switch (dtype) {
+    case DType::bf16:
+      mine = backend::cpu::measure_gemm_peak<bf16>(ctx, shapes);
+      break;
+    case DType::f16:
+      mine = backend::cpu::measure_gemm_peak<f16>(ctx, shapes);
+      break;
+    default:
+      mine = backend::cpu::measure_gemm_peak<float>(ctx, shapes);
+      break;
+  }
+  std::array<float, 1> total{static_cast<float>(mine.gflops)};
+  world.all_reduce(total);
+  std::string source = mine.describe();
+  if (world.size() > 1) {
+    char sum[96];
+    std::snprintf(sum, sizeof sum, "%.1f GFLOP/s: %d ranks measuring at once, summed; rank 0's ", total[0],
+                  world.size());
+    source = sum + source;
+  }
+  return {total[0], source};
+}
 
 // --backend must be known before init(): the CUDA backend's ranks are NCCL's.
 bool wants_cuda(int argc, char** argv) {
@@ -51,8 +90,9 @@ int main(int argc, char** argv) {
   try {
     const bool cuda = wants_cuda(argc, argv);
 #if !defined(LLMPAR_TRAIN_GPT_CUDA)
-    LLMPAR_CHECK(!cuda, "--backend cuda: this train_gpt was built without the CUDA backend; configure with the CUDA "
-                        "toolkit (nvcc) and LLMPAR_CUDA=ON, or use --backend cpu");
+    LLMPAR_CHECK(!cuda,
+                 "--backend cuda: this train_gpt was built without the CUDA backend; configure with the CUDA "
+                 "toolkit (nvcc) and LLMPAR_CUDA=ON, or use --backend cpu");
 #else
     LLMPAR_CHECK(!cuda || train_gpt::cuda_device_count() > 0,
                  "--backend cuda: this process sees no CUDA device; check the driver and CUDA_VISIBLE_DEVICES, or "
@@ -84,15 +124,18 @@ int main(int argc, char** argv) {
   app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "Visit training windows in a seeded random order (default on)");
   app.add_option("--eval-every", o.eval_every, "Validate every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "Batches per validation")->capture_default_str();
-  app.add_option("--precision", o.precision, "Numeric precision")
-      ->check(CLI::IsMember({"fp32"}))
+  app.add_option("--precision", o.precision,
+                 "fp32, bf16 (bf16 weights/activations, f32 main grads and master weights) or fp16 (the same in f16, "
+                 "with a dynamic loss scale)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--metrics", o.metrics, "Write JSON lines of config, steps and evals to this file");
   app.add_option("--sample-tokens", o.sample_tokens, "Tokens to sample at the end (0: none)")->capture_default_str();
   app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();
   app.add_option("--prompt", o.prompt, "Text the sample starts from")->capture_default_str();
   app.add_option("--peak-gflops", o.peak_gflops,
-                 "MFU denominator (default: the CPU's measured sgemm peak, or the GPU's data-sheet bf16 peak)");
+                 "MFU denominator (default: the CPU's GEMM peak in the run's precision, measured at start; the GPU's "
+                 "data-sheet peak of the run's precision)");
   app.add_option("--backend", o.backend, "Where to train: cpu, or cuda (one GPU per rank; CUDA builds)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -117,18 +160,11 @@ int main(int argc, char** argv) {
         return;
       }
 #endif
-      // The sgemm peak of all the ranks together: each measures on its own share of the
-      // cores at the same time as the others, and the ranks add up what they measured.
-      double peak = o.peak_gflops;
-      if (peak <= 0.0) {
-        backend::cpu::Context ctx;
-        world.barrier();
-        std::array<float, 1> mine{static_cast<float>(backend::cpu::measure_sgemm_peak_gflops(ctx))};
-        world.all_reduce(mine);
-        peak = mine[0];
-      }
       backend::cpu::Context ctx;
-      const int rc = train_gpt::run_on<backend::Cpu>(o, world, ctx, peak);
+      const int rc = train_gpt::run_on<backend::Cpu>(
+          o, world, ctx, [&](DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp) {
+            return measure_peak(world, ctx, dtype, cfg, rows, tp);
+          });
       if (world.rank() == 0) status = rc;
     });
     return status;

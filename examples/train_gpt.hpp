@@ -1,12 +1,15 @@
-// train_gpt.hpp — the backend-neutral part of train_gpt: its options and the per-rank
-// training run, a template over the backend tag. train_gpt.cpp instantiates it for
-// backend::Cpu and, in CUDA builds, train_gpt_cuda.cu for backend::Cuda (nvcc compiles
-// that one; backend/backend.hpp says why the two backends live in separate
-// translation units).
+// train_gpt.hpp — the backend-neutral part of train_gpt: its options, their checks, and
+// the per-rank training run, a template over the composed policy. train_gpt.cpp
+// instantiates it for backend::Cpu and, in CUDA builds, train_gpt_cuda.cu for
+// backend::Cuda (nvcc compiles that one; backend/backend.hpp says why the two backends
+// live in separate translation units). --precision and --sp choose the policy at run
+// time among its compile-time instantiations (run_on).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <functional>
 #include <llmpar/llmpar.hpp>
 #include <optional>
 #include <string>
@@ -36,10 +39,10 @@ struct Options {
   std::int64_t sample_tokens = 320;
   float temperature = 0.8f;
   std::string prompt = "The ";
-  double peak_gflops = 0.0;
+  double peak_gflops = 0.0;  // 0: measured (CPU) or the data sheet's (CUDA)
   std::string backend = "cpu";
   bool tf32 = false;
-  int tp = 1;  // tensor-parallel degree; the other ranks replicate (data parallel)
+  int tp = 1;       // tensor-parallel degree; the other ranks replicate (data parallel)
   bool sp = false;  // sequence parallelism within the tp group
 };
 
@@ -51,16 +54,14 @@ inline std::string default_val_pattern(const std::string& train) {
   return train.substr(0, pos) + "val" + train.substr(pos + 5);
 }
 
-// One rank's training run under the composed policy `Policy` (its backend, and sequence
-// parallelism or not). peak: the MFU denominator in GFLOP/s (0: none).
-template <class Policy>
-int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& ctx, double peak) {
-  using B = typename Policy::backend;
-  const bool lead = world.rank() == 0;
-  auto say = [&](auto... args) {
-    if (lead) std::printf(args...);
-  };
-  LLMPAR_CHECK(o.precision == "fp32", "--precision ", o.precision, " is not available; this build trains in fp32");
+// --seq, or min(preset, 128).
+inline std::int64_t sequence_length(const Options& o, const models::GPT2Config& preset) {
+  return o.seq.value_or(std::min<std::int64_t>(preset.max_seq, 128));
+}
+
+// The model the options describe: the preset with its overrides, the position table
+// grown to --seq.
+inline models::GPT2Config model_config(const Options& o) {
   models::GPT2Config cfg = models::GPT2Config::preset(o.model);
   if (o.layers) cfg.layers = *o.layers;
   if (o.heads) cfg.heads = *o.heads;
@@ -69,18 +70,95 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     cfg.vocab = *o.vocab;
     cfg.padded_vocab = models::GPT2Config::pad_vocab(*o.vocab);
   }
-  const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
-  const std::int64_t seq = o.seq.value_or(std::min<std::int64_t>(cfg.max_seq, 128));
-  cfg.max_seq = std::max(cfg.max_seq, seq);
+  cfg.max_seq = std::max(cfg.max_seq, sequence_length(o, models::GPT2Config::preset(o.model)));
+  return cfg;
+}
+
+// Every check that needs no data and no work, run by every rank before anything else
+// (the corpus, the model, the peak measurement, the first step): a mistake in any flag
+// stops the run at once with the flag, its value and what would work.
+inline void validate(const Options& o, int world_size) {
+  LLMPAR_CHECK(o.precision == "fp32" || o.precision == "bf16" || o.precision == "fp16", "--precision ", o.precision,
+               " is not one of fp32, bf16, fp16");
+  LLMPAR_CHECK(o.steps > 0, "--steps ", o.steps, "; train for at least 1 step");
+  LLMPAR_CHECK(o.batch > 0, "--batch ", o.batch, "; use at least 1 sequence per micro-batch");
+  LLMPAR_CHECK(o.grad_accum > 0, "--grad-accum ", o.grad_accum, "; use at least 1 micro-batch per step");
+  LLMPAR_CHECK(std::isfinite(o.lr) && o.lr > 0.0f, "--lr ", o.lr, "; the learning rate must be a positive number");
+  if (o.warmup)
+    LLMPAR_CHECK(*o.warmup >= 0 && *o.warmup <= o.steps, "--warmup ", *o.warmup, " must be in [0, --steps ", o.steps,
+                 "]");
+  LLMPAR_CHECK(o.weight_decay >= 0.0f, "--weight-decay ", o.weight_decay, "; it must be >= 0");
+  LLMPAR_CHECK(o.grad_clip >= 0.0f, "--grad-clip ", o.grad_clip, "; use a positive norm, or 0 to disable clipping");
+  LLMPAR_CHECK(o.eval_every >= 0, "--eval-every ", o.eval_every, "; use a number of steps, or 0 for no validation");
+  LLMPAR_CHECK(o.eval_every == 0 || o.eval_batches > 0, "--eval-batches ", o.eval_batches,
+               "; validation needs at least 1 batch (or --eval-every 0)");
+  LLMPAR_CHECK(o.sample_tokens >= 0, "--sample-tokens ", o.sample_tokens, "; use a count, or 0 for no sample");
+  LLMPAR_CHECK(o.sample_tokens == 0 || o.temperature > 0.0f, "--temperature ", o.temperature,
+               "; sampling needs a positive temperature");
+  LLMPAR_CHECK(o.sample_tokens == 0 || !o.prompt.empty(), "--prompt is empty; sampling needs at least one byte");
+  LLMPAR_CHECK(o.peak_gflops >= 0.0, "--peak-gflops ", o.peak_gflops, "; give a positive peak, or leave it out");
+  LLMPAR_CHECK(!o.tf32 || o.backend == "cuda",
+               "--tf32 is a CUDA option (fp32 GEMMs on TF32 tensor cores); use it "
+               "with --backend cuda");
+  LLMPAR_CHECK(o.tp >= 1 && world_size % o.tp == 0, "--tp ", o.tp, " does not divide the ", world_size,
+               " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
+  LLMPAR_CHECK(!o.sp || o.tp > 1,
+               "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
+  const models::GPT2Config cfg = model_config(o);
   cfg.validate();
+  const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
+  LLMPAR_CHECK(seq > 0, "--seq ", seq, "; the sequence length must be positive");
+  LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
+               " (sequence parallelism splits the sequence); use a --seq that is a multiple of ", o.tp);
+  if (!o.data.empty() && o.val_data.empty()) static_cast<void>(default_val_pattern(o.data));
+  // Sampling decodes bytes: a model of another vocabulary cannot be sampled as text.
+  LLMPAR_CHECK(o.sample_tokens == 0 || o.data.empty() || cfg.vocab == 256,
+               "sampling decodes with the byte tokenizer, but --data trains a vocabulary of ", cfg.vocab,
+               "; pass --sample-tokens 0 for models whose data used another tokenizer");
+}
+
+// What a precision policy keeps in which type, for the start-up lines.
+template <class P>
+std::string precision_summary() {
+  const auto name = [](DType t) { return std::string(name_of(t)); };
+  std::string s = std::string(P::kName) + ": weights and activations " + name(dtype_of<typename P::Compute>()) +
+                  ", gradients " + name(dtype_of<typename P::Grad>()) + ", master weights and moments " +
+                  name(dtype_of<typename P::Master>()) + ", norms/softmax/loss f32";
+  if constexpr (P::kHasLossScale) s += ", dynamic loss scale";
+  return s;
+}
+
+// The denominator of MFU for a run: its value and where it came from.
+struct Peak {
+  double gflops = 0.0;
+  std::string source;
+};
+// How a backend finds its peak for a run in storage type `dtype` of model `cfg` at
+// `rows` rows per micro-batch, split over `tp` ranks; every rank calls it together.
+using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp)>;
+
+// One rank's training run under the composed policy `Policy` (its backend, precision,
+// and sequence parallelism or not).
+template <class Policy>
+int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& ctx, const PeakFinder& find_peak) {
+  using B = typename Policy::backend;
+  using T = typename Policy::precision::Compute;
+  const bool lead = world.rank() == 0;
+  auto say = [&](auto... args) {
+    if (lead) std::printf(args...);
+  };
+  validate(o, world.size());
+  models::GPT2Config cfg = model_config(o);
+  const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
+  const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
 
   // Data: token shards, or the embedded corpus.
   std::optional<data::TokenDataset> train_set, val_set;
   if (o.data.empty()) {
     const data::TextCorpus corpus = data::load_text_corpus();
     say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
-                corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
-                static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
+        corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
+        static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
     LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
                  ", the model has ", cfg.vocab);
     train_set.emplace(data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)"));
@@ -89,16 +167,12 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     train_set.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
     val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? default_val_pattern(o.data) : o.val_data,
                                                     static_cast<int>(cfg.vocab)));
-    say("data: %lld train tokens in %zu shards, %lld val tokens\n",
-                static_cast<long long>(train_set->num_tokens()), train_set->num_shards(),
-                static_cast<long long>(val_set->num_tokens()));
+    say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(train_set->num_tokens()),
+        train_set->num_shards(), static_cast<long long>(val_set->num_tokens()));
   }
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
-  LLMPAR_CHECK(o.tp >= 1 && world.size() % o.tp == 0, "--tp ", o.tp, " does not divide the ", world.size(),
-               " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
   comm::Grid grid(world, {.tp = o.tp});
-  LLMPAR_CHECK(!o.sp || o.tp > 1, "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
   const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
@@ -112,18 +186,25 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, val_lc);
 
-  models::GPT2<float, B> model(cfg, o.seed, tp);
+  models::GPT2<T, B> model(cfg, o.seed, tp);
+  // The peak in the run's precision (the CPU measures it now, on the model's shapes).
+  const Peak peak = o.peak_gflops > 0.0
+                        ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
+                        : find_peak(dtype_of<T>(), cfg, o.batch * seq, o.tp);
   say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
-              static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
-              static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
-              static_cast<double>(model.num_parameters()) * 1e-6);
-  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, fp32, "
-      "%s backend, MFU against a peak of %.1f GFLOP/s\n",
-      static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "", std::string(world.engine_name()).c_str(),
-      grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(),
+      static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
+      static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
+      static_cast<double>(model.num_parameters()) * 1e-6);
+  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, "
+      "%s, "
+      "%s backend\n",
+      static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "",
+      std::string(world.engine_name()).c_str(), grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(),
       static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
-      static_cast<double>(o.lr), static_cast<long long>(warmup), B::kName, peak);
+      static_cast<double>(o.lr), static_cast<long long>(warmup), o.precision.c_str(), B::kName);
   say("policy: %s\n", Policy::kName);
+  say("precision: %s\n", precision_summary<typename Policy::precision>().c_str());
+  say("MFU peak: %s\n", peak.source.c_str());
 
   train::MetricsWriter metrics(lead ? o.metrics : std::string());
   metrics.write({{"type", "config"},
@@ -145,14 +226,16 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"warmup", warmup},
                  {"seed", o.seed},
                  {"precision", o.precision},
+                 {"policy", Policy::kName},
                  {"backend", B::kName},
-                 {"peak_gflops", peak}});
+                 {"peak_gflops", peak.gflops},
+                 {"peak_source", peak.source}});
 
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
-  train::Trainer<models::GPT2<float, B>> trainer(ctx, model, opt, schedule, train_loader,
-                                              {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak},
-                                              &grid.dp());
+  train::Trainer<models::GPT2<T, B>, Policy> trainer(
+      ctx, model, opt, schedule, train_loader,
+      {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak.gflops}, &grid.dp());
   // Never count a validation batch twice: at most one pass over the validation data.
   const std::int64_t eval_batches = std::min(o.eval_batches, val_loader.batches_per_epoch());
   auto run_eval = [&](std::int64_t step) {
@@ -163,7 +246,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   };
   if (o.eval_every > 0) run_eval(0);
   trainer.fit([&](const train::StepStats& s) {
-    say("%s\n", train::format_step(s, o.steps).c_str());
+    say("%s\n", train::format_step(s, o.steps, Policy::kHasLossScale).c_str());
     if (lead) std::fflush(stdout);
     metrics.write_step(s);
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
@@ -171,27 +254,33 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
 
   // Every rank samples (the split blocks need their whole tp group); rank 0 prints.
   if (o.sample_tokens > 0) {
-    LLMPAR_CHECK(o.data.empty() || cfg.vocab == 256,
-                 "sampling decodes with the byte tokenizer; pass --sample-tokens 0 "
-                 "for models whose data used another tokenizer");
     const data::ByteTokenizer tok;
     std::vector<std::int32_t> prompt;
     for (std::uint16_t t : tok.encode(o.prompt)) prompt.push_back(t);
     const auto out =
         train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature, .seed = o.seed});
     std::vector<std::uint16_t> ids(out.begin(), out.end());
-    say("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature),
-        tok.decode(ids).c_str());
+    say("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature), tok.decode(ids).c_str());
   }
   return 0;
 }
 
-// The run on backend B, its layout composed from the flags: --sp chooses sequence
-// parallelism at compile time (one instantiation each); the degrees come from the grid.
+// The run on backend B, its layout composed from the flags: --precision and --sp choose
+// the precision policy and sequence parallelism at compile time (one instantiation
+// each); the degrees come from the grid.
+template <class B, class Precision>
+int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
+  if (o.sp) return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>>>(o, world, ctx, find_peak);
+  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>>>(o, world, ctx, find_peak);
+}
+
 template <class B>
-int run_on(const Options& o, comm::Comm& world, typename B::Context& ctx, double peak) {
-  if (o.sp) return run<Compose<B, parallel::Tensor<SequenceParallel::on>>>(o, world, ctx, peak);
-  return run<Compose<B, parallel::Tensor<SequenceParallel::off>>>(o, world, ctx, peak);
+int run_on(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
+  validate(o, world.size());
+  if (o.precision == "bf16") return run_with<B, precision::BF16Mixed>(o, world, ctx, find_peak);
+  if (o.precision == "fp16")
+    return run_with<B, precision::FP16Mixed<precision::DynamicLossScale>>(o, world, ctx, find_peak);
+  return run_with<B, precision::FP32>(o, world, ctx, find_peak);
 }
 
 }  // namespace train_gpt

@@ -2,6 +2,9 @@
 // train_gpt in CUDA builds). Each rank trains on the GPU its NCCL communicator chose.
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <string>
+
 #include "train_gpt.hpp"
 
 namespace train_gpt {
@@ -15,12 +18,20 @@ int run_cuda(const Options& o, comm::Comm& world) {
   LLMPAR_CHECK(nccl != nullptr, "--backend cuda runs its ranks over NCCL, but this world is ", world.engine_name());
   // One communication stream (NCCL's), and NCCL's operations ordered after the compute
   // stream's work, which produces the gradients they reduce.
-  backend::cuda::Context ctx(device, o.tf32 ? backend::cuda::Fp32Math::tf32 : backend::cuda::Fp32Math::strict,
-                             nccl->stream());
+  const backend::cuda::Fp32Math fp32 = o.tf32 ? backend::cuda::Fp32Math::tf32 : backend::cuda::Fp32Math::strict;
+  backend::cuda::Context ctx(device, fp32, nccl->stream());
   nccl->set_compute_stream(ctx.stream());
-  // The MFU denominator: the data sheet's dense 16-bit tensor-core peak of each GPU.
-  const double peak = o.peak_gflops > 0.0 ? o.peak_gflops : 1e3 * world.size() * backend::cuda::tensor_peak_tflops(device);
-  return run_on<backend::Cuda>(o, world, ctx, peak);
+  // The MFU denominator: the data sheet's dense peak of each GPU in the run's precision
+  // (bf16/f16 tensor cores; TF32 or CUDA cores for fp32), times the GPUs.
+  return run_on<backend::Cuda>(o, world, ctx, [&](DType dtype, const models::GPT2Config&, std::int64_t, int) {
+    const double tflops = backend::cuda::datasheet_peak_tflops(device, dtype, fp32);
+    char source[160];
+    std::snprintf(source, sizeof source, "%.1f TFLOP/s: the data sheet's dense %s peak of %d GPU%s%s",
+                  tflops * world.size(),
+                  dtype == DType::f32 ? (o.tf32 ? "TF32" : "FP32") : std::string(name_of(dtype)).c_str(), world.size(),
+                  world.size() == 1 ? "" : "s", tflops > 0.0 ? "" : " (unknown part: MFU not reported)");
+    return Peak{1e3 * tflops * world.size(), source};
+  });
 }
 
 }  // namespace train_gpt

@@ -58,7 +58,6 @@ namespace detail::ew {
 inline constexpr int kElementwiseThreads = 256;
 inline constexpr std::int64_t kMaxBlocks = 16384;
 
-
 // Elements per pack for a stream from In to Out: 16 bytes of the wider type.
 template <class Out, class In>
 inline constexpr int kPackWidth = static_cast<int>(16 / (sizeof(Out) > sizeof(In) ? sizeof(Out) : sizeof(In)));
@@ -199,15 +198,16 @@ __global__ void __launch_bounds__(kBiasThreads) bias_partials_kernel(const T* do
   }
 }
 
-// Pass 2: dbias[j] += sum over slices s, in order, of partials[s, j]. dbias: (n).
-template <class T>
+// Pass 2: dbias[j] += sum over slices s, in order, of partials[s, j]. dbias: (n) f32.
+// (A template only so that the header may be included by several translation units.)
+template <int kUnused = 0>
 __global__ void __launch_bounds__(kElementwiseThreads)
-    bias_finish_kernel(T* dbias, const float* partials, std::int64_t slices, std::int64_t n) {
+    bias_finish_kernel(float* dbias, const float* partials, std::int64_t slices, std::int64_t n) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
     float sum = 0.0f;
     for (std::int64_t s = 0; s < slices; ++s) sum += partials[s * n + j];
-    dbias[j] = store<T>(load(dbias[j]) + sum);
+    dbias[j] += sum;
   }
 }
 
@@ -263,12 +263,11 @@ inline constexpr int kEncoderThreads = 128;
 // sorted_tokens, sorted_positions: (BT), the tokens sorted stably with their positions.
 // Grid: (BT, ceil(C / kEncoderThreads)); a block whose blockIdx.x does not start a run,
 // or whose token is outside `slice`, exits at once. dwte: (slice.count or V, C), the
-// rows `slice` of the table; dout: (BT, C).
+// rows `slice` of the table, f32 main grads; dout: (BT, C).
 template <class T>
 __global__ void __launch_bounds__(kEncoderThreads)
-    encoder_backward_wte_kernel(T* dwte, const T* dout, const std::int32_t* sorted_tokens,
-                                const std::int32_t* sorted_positions, std::int32_t BT, std::int64_t C,
-                                RowSlice slice) {
+    encoder_backward_wte_kernel(float* dwte, const T* dout, const std::int32_t* sorted_tokens,
+                                const std::int32_t* sorted_positions, std::int32_t BT, std::int64_t C, RowSlice slice) {
   const std::int32_t head = static_cast<std::int32_t>(blockIdx.x);
   const std::int32_t token = sorted_tokens[head];
   if (head > 0 && sorted_tokens[head - 1] == token) return;  // not the first of its run
@@ -286,25 +285,23 @@ __global__ void __launch_bounds__(kEncoderThreads)
       hi = mid;
   }
   const std::int32_t end = lo;
-  T* target = dwte + (static_cast<std::int64_t>(token) - slice.first) * C + c;
-  T acc = *target;
+  float* target = dwte + (static_cast<std::int64_t>(token) - slice.first) * C + c;
+  float acc = *target;
 #pragma unroll 4
-  for (std::int32_t k = head; k < end; ++k) {
-    acc = store<T>(load(acc) + load(dout[static_cast<std::int64_t>(sorted_positions[k]) * C + c]));
-  }
+  for (std::int32_t k = head; k < end; ++k) acc += load(dout[static_cast<std::int64_t>(sorted_positions[k]) * C + c]);
   *target = acc;
 }
 
-// dwpe[t, c] += dout[b, t, c] for b = 0 .. B-1 in order. dwpe: (>= T_len, C);
+// dwpe[t, c] += dout[b, t, c] for b = 0 .. B-1 in order. dwpe: (>= T_len, C) f32;
 // dout: (B, T_len, C).
 template <class T>
 __global__ void __launch_bounds__(kElementwiseThreads)
-    encoder_backward_wpe_kernel(T* dwpe, const T* dout, std::int64_t B, std::int64_t T_len, std::int64_t C) {
+    encoder_backward_wpe_kernel(float* dwpe, const T* dout, std::int64_t B, std::int64_t T_len, std::int64_t C) {
   const std::int64_t total = T_len * C;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    T acc = dwpe[i];
-    for (std::int64_t b = 0; b < B; ++b) acc = store<T>(load(acc) + load(dout[b * total + i]));
+    float acc = dwpe[i];
+    for (std::int64_t b = 0; b < B; ++b) acc += load(dout[b * total + i]);
     dwpe[i] = acc;
   }
 }
@@ -450,10 +447,12 @@ inline std::int64_t bias_backward_workspace(std::int64_t rows, std::int64_t n) {
   return detail::ew::bias_slices(rows) * n;
 }
 
-// dbias[j] += sum over r of dout[r, j]. dbias: (n); dout: (rows, n); workspace:
-// bias_backward_workspace(rows, n) device floats. Deterministic (see the note on top).
+// dbias[j] += sum over r of dout[r, j]. dbias: (n) f32 main grads; dout: (rows, n);
+// workspace: bias_backward_workspace(rows, n) device floats. Deterministic (see the note
+// on top).
 template <Storage T>
-void bias_backward(cudaStream_t stream, T* dbias, const T* dout, float* workspace, std::int64_t rows, std::int64_t n) {
+void bias_backward(cudaStream_t stream, float* dbias, const T* dout, float* workspace, std::int64_t rows,
+                   std::int64_t n) {
   LLMPAR_CHECK(rows >= 0 && n >= 0, "bias_backward: rows = ", rows, ", n = ", n, "; sizes must be >= 0");
   if (n == 0) return;
   detail::ew::check_pointer("bias_backward", "dbias", dbias);
@@ -469,7 +468,7 @@ void bias_backward(cudaStream_t stream, T* dbias, const T* dout, float* workspac
   const dim3 block(detail::ew::kBiasColumns, detail::ew::kBiasRowThreads);
   detail::ew::bias_partials_kernel<T><<<grid, block, 0, stream>>>(dout, workspace, rows, n, rows_per_slice);
   LLMPAR_CHECK_LAUNCH("bias_partials_kernel");
-  detail::ew::bias_finish_kernel<T>
+  detail::ew::bias_finish_kernel<>
       <<<detail::ew::grid_for(n), detail::ew::kElementwiseThreads, 0, stream>>>(dbias, workspace, slices, n);
   LLMPAR_CHECK_LAUNCH("bias_finish_kernel");
 }
@@ -514,14 +513,14 @@ inline std::int64_t encoder_backward_workspace_bytes(std::int64_t B, std::int64_
       detail::ew::align_up(detail::ew::encoder_sort_temp_bytes(static_cast<std::int32_t>(BT))));
 }
 
-// dwte[tokens[b, t], :] += dout[b, t, :] and dwpe[t, :] += dout[b, t, :], in the CPU
-// kernel's order (positions ascending), so the result is its bits. dwte: (slice.count
-// or V, C), the rows `slice` of the table (other tokens are skipped); dwpe: (>= T_len, C)
-// or null (none); dout: (B, T_len, C); tokens: (B, T_len) in [0, V); workspace:
-// encoder_backward_workspace_bytes(B, T_len) device bytes.
+// dwte[tokens[b, t], :] += dout[b, t, :] and dwpe[t, :] += dout[b, t, :], in f32 and in
+// the CPU kernel's order (positions ascending), so the result is its bits. dwte:
+// (slice.count or V, C) f32, the rows `slice` of the table (other tokens are skipped);
+// dwpe: (>= T_len, C) f32 or null (none); dout: (B, T_len, C); tokens: (B, T_len) in
+// [0, V); workspace: encoder_backward_workspace_bytes(B, T_len) device bytes.
 template <Storage T>
-void encoder_backward(cudaStream_t stream, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens, void* workspace,
-                      std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+void encoder_backward(cudaStream_t stream, float* dwte, float* dwpe, const T* dout, const std::int32_t* tokens,
+                      void* workspace, std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
   detail::ew::check_encoder_shape("encoder_backward", B, T_len, C);
   const std::int64_t BT = B * T_len;
   if (BT == 0 || C == 0) return;

@@ -7,7 +7,7 @@
 // This is backend/cpu/layernorm.hpp and backend/cpu/rmsnorm.hpp for the CUDA backend:
 // same formulas, same conventions (mean and rstd saved as float per row, either may be
 // null in forward; dx overwritten, or accumulated into with accumulate_dx; dweight and
-// dbias accumulated into).
+// dbias accumulated into, in f32 whatever T is: they are the parameters' main grads).
 //
 // Why this shape. Normalisation is memory-bound: the forward must read x once and write
 // out once. A row is handled by a "group" of threads: one warp for C <= 512, more warps
@@ -75,7 +75,6 @@ inline constexpr std::int64_t kMaxGridX = std::numeric_limits<int>::max();
 // stay below 2^31 (backward addresses a (2, C) partial row).
 inline constexpr std::int64_t kMaxColumns = std::int64_t{1} << 30;
 
-
 // How a row of C is cut: `group` threads per row (a power of two, whole warps, at most
 // a block), `groups` rows per block, `chunks` 16-byte chunks per row, chunk j belonging
 // to thread j % group of the row's group.
@@ -120,7 +119,6 @@ BackwardPlan backward_plan(std::int64_t rows, std::int64_t C) {
 // An upper bound of BackwardPlan::blocks for every storage type.
 inline std::int64_t backward_blocks_bound(std::int64_t rows) { return std::min(rows, kBackwardBlocks); }
 
-
 inline void check_shape(const char* who, std::int64_t rows, std::int64_t C) {
   LLMPAR_CHECK(rows >= 0 && C >= 1, who, ": rows = ", rows, ", C = ", C, "; need rows >= 0 and C >= 1");
   LLMPAR_CHECK(C <= kMaxColumns, who, ": C = ", C, " is more than ", kMaxColumns, " columns a row may have");
@@ -137,7 +135,6 @@ inline void check_pointer(const char* who, const void* p, const char* name) {
 }
 
 #if defined(__CUDACC__)
-
 
 // Per-warp partials in shared memory (plain arrays: a __shared__ variable cannot have
 // the default member initialisers of math::Welford).
@@ -481,10 +478,10 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // dweight (and dbias) += the per-block partials, added in block order.
-// partials: (blocks, kParts, C); dweight, dbias: (C).
-template <Storage T, int kParts>
+// partials: (blocks, kParts, C); dweight, dbias: (C) f32 main grads.
+template <int kParts>
 __global__ void __launch_bounds__(kFinalThreads)
-    norm_param_grad_kernel(T* dweight, T* dbias, const float* partials, int blocks, std::int64_t C) {
+    norm_param_grad_kernel(float* dweight, float* dbias, const float* partials, int blocks, std::int64_t C) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kFinalThreads + threadIdx.x;
   if (i >= kParts * C) return;
   const int p = static_cast<int>(i / C);
@@ -492,8 +489,8 @@ __global__ void __launch_bounds__(kFinalThreads)
   float total = 0.0f;
 #pragma unroll 8
   for (int blk = 0; blk < blocks; ++blk) total += partials[(static_cast<std::int64_t>(blk) * kParts + p) * C + c];
-  T* dst = p == 0 ? dweight : dbias;
-  dst[c] = store<T>(load(dst[c]) + total);
+  float* dst = p == 0 ? dweight : dbias;
+  dst[c] += total;
 }
 
 template <Storage T, Norm kNorm, bool kResidual>
@@ -511,9 +508,9 @@ void launch_forward(cudaStream_t stream, const char* who, T* out, T* sum, float*
 }
 
 template <Storage T, Norm kNorm>
-void launch_backward(cudaStream_t stream, const char* who, T* dx, T* dweight, T* dbias, const T* dout, const T* x,
-                     const T* weight, const float* mean, const float* rstd, float* workspace, std::int64_t rows,
-                     std::int64_t C, bool accumulate_dx) {
+void launch_backward(cudaStream_t stream, const char* who, T* dx, float* dweight, float* dbias, const T* dout,
+                     const T* x, const T* weight, const float* mean, const float* rstd, float* workspace,
+                     std::int64_t rows, std::int64_t C, bool accumulate_dx) {
   constexpr int kParts = kNorm == Norm::layer ? 2 : 1;
   const BackwardPlan plan = backward_plan<T>(rows, C);
   const bool vectorized =
@@ -524,7 +521,7 @@ void launch_backward(cudaStream_t stream, const char* who, T* dx, T* dweight, T*
   LLMPAR_CHECK_LAUNCH(who);
   const std::int64_t final_blocks = ceil_div(kParts * C, kFinalThreads);
   LLMPAR_CHECK(final_blocks <= kMaxGridX, who, ": C = ", C, " is too large for one grid");
-  norm_param_grad_kernel<T, kParts><<<static_cast<unsigned>(final_blocks), kFinalThreads, 0, stream>>>(
+  norm_param_grad_kernel<kParts><<<static_cast<unsigned>(final_blocks), kFinalThreads, 0, stream>>>(
       dweight, dbias, workspace, static_cast<int>(plan.blocks), C);
   LLMPAR_CHECK_LAUNCH(who);
 }
@@ -584,14 +581,14 @@ void residual_layernorm_forward(cudaStream_t stream, T* sum, T* out, float* mean
                                                                    bias, rows, C, eps);
 }
 
-// dx, dout, x: (rows, C); dweight, dbias, weight: (C); mean, rstd: (rows) from forward;
-// workspace: layernorm_backward_workspace(rows, C) floats.
+// dx, dout, x: (rows, C); weight: (C); dweight, dbias: (C) f32; mean, rstd: (rows) from
+// forward; workspace: layernorm_backward_workspace(rows, C) floats.
 // dx = LN backward (overwritten), or dx += LN backward when accumulate_dx (the residual
 // stream's gradient, fused); dweight, dbias +=.
 template <Storage T>
-void layernorm_backward(cudaStream_t stream, T* dx, T* dweight, T* dbias, const T* dout, const T* x, const T* weight,
-                        const float* mean, const float* rstd, float* workspace, std::int64_t rows, std::int64_t C,
-                        bool accumulate_dx = false) {
+void layernorm_backward(cudaStream_t stream, T* dx, float* dweight, float* dbias, const T* dout, const T* x,
+                        const T* weight, const float* mean, const float* rstd, float* workspace, std::int64_t rows,
+                        std::int64_t C, bool accumulate_dx = false) {
   constexpr const char* kWho = "layernorm_backward";
   detail::norm::check_shape(kWho, rows, C);
   if (rows == 0) return;
@@ -642,11 +639,11 @@ void residual_rmsnorm_forward(cudaStream_t stream, T* sum, T* out, float* rstd, 
                                                                  nullptr, rows, C, eps);
 }
 
-// dx, dout, x: (rows, C); dweight, weight: (C); rstd: (rows) from forward;
+// dx, dout, x: (rows, C); weight: (C); dweight: (C) f32; rstd: (rows) from forward;
 // workspace: rmsnorm_backward_workspace(rows, C) floats. dx overwritten (or += with
 // accumulate_dx); dweight +=.
 template <Storage T>
-void rmsnorm_backward(cudaStream_t stream, T* dx, T* dweight, const T* dout, const T* x, const T* weight,
+void rmsnorm_backward(cudaStream_t stream, T* dx, float* dweight, const T* dout, const T* x, const T* weight,
                       const float* rstd, float* workspace, std::int64_t rows, std::int64_t C,
                       bool accumulate_dx = false) {
   constexpr const char* kWho = "rmsnorm_backward";

@@ -43,7 +43,7 @@ GradientCheck check_gradients(Context& ctx, Model& model, const std::string& tok
         p->value[i] += 0.1 * rng::Stream::named(3, p->name).normal(static_cast<std::uint64_t>(i));
   const auto tokens = random_tokens(B * S, vocab, 1);
   const auto targets = random_tokens(B * S, vocab, 2);
-  model.zero_grad();
+  model.zero_grad(ctx);
   model.forward(ctx, tokens.data(), targets.data(), B, S);
   model.backward(ctx);
 

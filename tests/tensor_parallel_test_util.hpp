@@ -61,11 +61,12 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
   for (int step = 0; step < 5; ++step) {
     const auto stream = rng::Stream::named(static_cast<std::uint64_t>(step), "batch");
     for (std::int64_t i = 0; i < B * S; ++i) {
-      tokens[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % V);
+      tokens[static_cast<std::size_t>(i)] =
+          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % V);
       targets[static_cast<std::size_t>(i)] =
           static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[1] % V);
     }
-    model.zero_grad();
+    model.zero_grad(ctx);
     losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
     model.backward(ctx);
     nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());

@@ -20,7 +20,6 @@ models::GPT2Config small_config() {
   return {.layers = 2, .heads = 2, .dim = 8, .max_seq = 6, .vocab = 11, .padded_vocab = 16, .init_std = 0.2f};
 }
 
-
 }  // namespace
 
 TEST_CASE("GPT-2 gradients of every parameter match central finite differences in double") {
@@ -37,7 +36,7 @@ TEST_CASE("padded vocabulary rows get no gradient and stay zero") {
   const auto cfg = small_config();
   models::GPT2<float> model(cfg, 7);
   const auto tokens = random_tokens(6, cfg.vocab, 1);
-  model.zero_grad();
+  model.zero_grad(ctx);
   model.forward(ctx, tokens.data(), tokens.data(), 1, 6);
   model.backward(ctx);
   auto& wte = model.parameter_store().find("wte");
@@ -54,8 +53,8 @@ TEST_CASE("float and double models from one seed compute the same loss and gradi
   models::GPT2<float> mf(cfg, 11);
   const auto tokens = random_tokens(12, cfg.vocab, 5);
   const auto targets = random_tokens(12, cfg.vocab, 6);
-  md.zero_grad();
-  mf.zero_grad();
+  md.zero_grad(ctx);
+  mf.zero_grad(ctx);
   const double ld = md.forward(ctx, tokens.data(), targets.data(), 2, 6);
   const double lf = mf.forward(ctx, tokens.data(), targets.data(), 2, 6);
   CHECK(lf == doctest::Approx(ld).epsilon(1e-5));
@@ -97,11 +96,11 @@ TEST_CASE("AdamW steps overfit one batch: the loss falls by more than half") {
   const auto targets = random_tokens(12, cfg.vocab, 10);
   double first = 0, last = 0;
   for (int step = 0; step < 60; ++step) {
-    model.zero_grad();
+    model.zero_grad(ctx);
     last = model.forward(ctx, tokens.data(), targets.data(), 2, 6);
     model.backward(ctx);
     if (step == 0) first = last;
-    const double norm = opt.step(3e-2f);
+    const double norm = opt.step(3e-2f).grad_norm;
     REQUIRE(std::isfinite(norm));
   }
   MESSAGE("loss ", first, " -> ", last);
@@ -181,7 +180,7 @@ TEST_CASE("the model learns to copy: attention carries tokens across positions")
         targets[static_cast<std::size_t>(b * S + t)] = seq[t + 1];
       }
     }
-    model.zero_grad();
+    model.zero_grad(ctx);
     loss = model.forward(ctx, tokens.data(), targets.data(), B, S);
     model.backward(ctx);
     opt.step(3e-3f);

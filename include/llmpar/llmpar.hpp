@@ -10,6 +10,7 @@
 #include "llmpar/backend/cuda/backend.hpp"
 #else
 #include "llmpar/backend/cpu/backend.hpp"
+#include "llmpar/backend/cpu/peak.hpp"
 #endif
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/communicator.hpp"
@@ -36,6 +37,7 @@
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
+#include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
 #include "llmpar/train/sample.hpp"

@@ -114,6 +114,14 @@ LLMPAR_HOST_DEVICE To convert(From x) {
   }
 }
 
+// The type a value stored as T is computed and accumulated in: double for double (the
+// finite-difference tests of whole layers), float for everything else (float, bf16,
+// f16). It is also the type of every parameter gradient ("main grads", f32 whatever the
+// storage type: precision/policy.hpp says why) and of the statistics kernels keep for
+// backward (LayerNorm mean and 1/std, attention log-sum-exp, losses).
+template <class T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
 // The runtime element-type tag.
 enum class DType : std::uint8_t { f32, bf16, f16, i32, i64, u8 };
 

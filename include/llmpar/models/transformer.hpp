@@ -85,6 +85,7 @@ class Transformer {
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
   using BackendTag = Backend;
+  using value_type = T;  // storage and compute type of weights and activations
   using Config = typename Spec::Config;
   using Block = typename Spec::template Block<T, Backend>;
   using Norm = typename Spec::template Norm<T, Backend>;
@@ -104,7 +105,7 @@ class Transformer {
     blocks_.reserve(static_cast<std::size_t>(cfg.layers));
     for (std::int64_t l = 0; l < cfg.layers; ++l)
       blocks_.emplace_back(std::string(Spec::kBlockPrefix) + std::to_string(l), cfg, tp);
-    if constexpr (requires(Block& b, detail::BlockScratch<T, Space>* s) { b.use_scratch(s); })
+    if constexpr (requires(Block & b, detail::BlockScratch<T, Space> * s) { b.use_scratch(s); })
       for (auto& block : blocks_) block.use_scratch(&scratch_);
     embedding_.use_scratch(&scratch_.partial, &scratch_.gathered);
     nn::mark_sequence_parallel<T>(norm_, tp);
@@ -185,7 +186,8 @@ class Transformer {
   }
   RowSlice vocab_slice() const { return embedding_.slice(); }
 
-  void zero_grad() { store_.zero_grad(); }
+  // Zeroes every gradient, in the backend's stream order (no device-wide wait).
+  void zero_grad(Context& ctx) { Backend::zero(ctx, store_.grads(), store_.flat_size()); }
 
   template <class Visit>
   void parameters(Visit&& visit) {

@@ -7,7 +7,10 @@
 // that call, so a user's layer needs no per-feature code.
 //
 // ParameterStore gives all parameters of a model one contiguous value buffer and one
-// contiguous gradient buffer (like llm.c and DeepSpeed's flat buffers): zeroing the
+// contiguous gradient buffer (like llm.c and DeepSpeed's flat buffers). Values are the
+// storage type T (bf16 or f16 under mixed precision: the working copy the GEMMs read);
+// gradients are acc_t<T>, f32 for every 16-bit T (main grads, accumulated over
+// micro-batches without rounding to 16 bits), at the same offsets. Zeroing the
 // gradients is one memset, the gradient norm one pass, the optimizer one stream over
 // memory, and a data-parallel all-reduce or a ZeRO shard is a slice of one array.
 //
@@ -18,13 +21,14 @@
 
 #include <cstdint>
 #include <span>
-#include <string_view>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
 #include "llmpar/core/tensor.hpp"
@@ -70,8 +74,8 @@ inline Shape local_shape(const Shape& full, const Split& s, std::string_view nam
   LLMPAR_CHECK(s.dim < full.rank, "parameter '", name, "' of shape ", full, " has no dimension ", s.dim, " to split");
   LLMPAR_CHECK(s.index >= 0 && s.index < s.parts, "parameter '", name, "': slice ", s.index, " of ", s.parts,
                " does not exist");
-  LLMPAR_CHECK(s.groups >= 1 && full[s.dim] % (static_cast<std::int64_t>(s.groups) * s.parts) == 0, "parameter '",
-               name, "' of shape ", full, ": dimension ", s.dim, " (", full[s.dim], ") is not divisible by ",
+  LLMPAR_CHECK(s.groups >= 1 && full[s.dim] % (static_cast<std::int64_t>(s.groups) * s.parts) == 0, "parameter '", name,
+               "' of shape ", full, ": dimension ", s.dim, " (", full[s.dim], ") is not divisible by ",
                s.groups > 1 ? "groups x parts = " : "parts = ", static_cast<std::int64_t>(s.groups) * s.parts,
                "; choose sizes the tensor-parallel degree divides");
   Shape local = full;
@@ -106,8 +110,9 @@ struct Parameter {
   // its rows of the sequence (a norm under sequence parallelism): the gradients are
   // summed over the group once per step (nn::sum_sequence_parallel_gradients).
   bool sequence_parallel = false;
-  T* value = nullptr;  // bound by ParameterStore; local_shape() elements
-  T* grad = nullptr;
+  using Grad = acc_t<T>;  // f32 main grads for 16-bit T (double for double)
+  T* value = nullptr;     // bound by ParameterStore; local_shape() elements
+  Grad* grad = nullptr;
 
   Parameter() = default;
   Parameter(std::string n, Shape s, Init i, bool d, Split sp = {})
@@ -131,13 +136,17 @@ struct IgnoreParameter {
 }  // namespace detail
 
 template <class L, class T = float>
-concept HasParameters = requires(L& layer, detail::IgnoreParameter<T> visit) { layer.parameters(visit); };
+concept HasParameters = requires(L& layer, detail::IgnoreParameter<T> visit) {
+  layer.parameters(visit);
+};
 
 // Space is where the flat buffers live: memory::Host for the CPU backend,
 // memory::Device for the CUDA one (initial values are computed on the host and copied).
 template <class T, class Space = memory::Host>
 class ParameterStore {
  public:
+  using Grad = acc_t<T>;
+
   ParameterStore() = default;
   ParameterStore(const ParameterStore&) = delete;
   ParameterStore& operator=(const ParameterStore&) = delete;
@@ -205,6 +214,8 @@ class ParameterStore {
     }
   }
 
+  // Synchronous (set-up code and tests); a training step zeroes through its backend's
+  // context instead (Backend::zero, in the compute stream's order).
   void zero_grad() { grads_.zero(); }
 
   std::span<Parameter<T>* const> parameters() const { return params_; }
@@ -222,9 +233,9 @@ class ParameterStore {
   }
   // The flat buffers, padding included (padding is zero and stays zero).
   T* values() { return values_.data(); }
-  T* grads() { return grads_.data(); }
+  Grad* grads() { return grads_.data(); }
   const T* values() const { return values_.data(); }
-  const T* grads() const { return grads_.data(); }
+  const Grad* grads() const { return grads_.data(); }
   std::int64_t flat_size() const { return values_.size(); }
 
   Parameter<T>& find(std::string_view name) const {
@@ -234,15 +245,18 @@ class ParameterStore {
   }
 
  private:
-  // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
+  // Each parameter starts on a 64-byte boundary of both buffers, so kernels see aligned
+  // rows (values are never wider than gradients: a multiple of 64 bytes of T is one of
+  // the gradients too).
   static std::int64_t round_up(std::int64_t n) {
+    static_assert(sizeof(T) <= sizeof(Grad));
     constexpr std::int64_t kAlign = static_cast<std::int64_t>(kHostAlignment / sizeof(T));
     return (n + kAlign - 1) / kAlign * kAlign;
   }
 
   std::vector<Parameter<T>*> params_;
   Buffer<T, Space> values_;
-  Buffer<T, Space> grads_;
+  Buffer<Grad, Space> grads_;
 };
 
 }  // namespace llmpar::nn

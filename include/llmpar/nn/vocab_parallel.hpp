@@ -97,7 +97,7 @@ class VocabParallelEmbedding {
   // dwte (this rank's rows) += dout at its tokens; dpositions (>= S, C) += dout summed
   // over the batch (the same on every rank), or null. dout: this rank's rows.
   void backward(Context& ctx, const T* dout, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
-                T* dpositions) {
+                Acc* dpositions) {
     const std::int64_t rows = batch * seq;
     const T* full = dout;
     if (tp_.sequence_parallel()) {
@@ -189,7 +189,7 @@ class VocabParallelEmbedding {
   std::int64_t vocab_;
   std::int64_t dim_;
   RowSlice slice_;
-  Parameter<T> weight_;           // (Vp/tp, C) of the full (Vp, C)
+  Parameter<T> weight_;            // (Vp/tp, C) of the full (Vp, C)
   Buffer<T, Space> own_partial_;   // (B·S, C) sequence parallelism: partial sums before a reduce-scatter
   Buffer<T, Space> own_gathered_;  // (B·S, C) sequence parallelism: every row of the embedding's gradient
   Buffer<T, Space>* partial_ = &own_partial_;

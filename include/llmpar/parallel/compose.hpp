@@ -14,12 +14,20 @@
 //   backend    backend::Cpu | backend::Cuda                                 (Cpu)
 //   precision  precision::FP32 | BF16Mixed | FP16Mixed<DynamicLossScale>    (FP32)
 //   tensor     parallel::Tensor<SequenceParallel::off | on>                 (off)
-//   pipeline   parallel::Pipeline<schedule::GPipe | OneFOneB | Interleaved1F1B<chunks>>
-//                                                                           (OneFOneB)
+//   pipeline   parallel::NoPipeline |
+//              parallel::Pipeline<schedule::GPipe | OneFOneB | Interleaved1F1B<chunks>>
+//                                                                           (NoPipeline)
 //   data       parallel::Data<zero::Stage<0..3>>                            (Stage<0>)
 //   recompute  recompute::None | Full | Selective                           (None)
-// A degree of 1 at run time switches a dimension off (tp = 1 splits nothing, pp = 1 runs
-// no pipeline), so the defaults cost nothing.
+// A degree of 1 at run time switches a dimension off (tp = 1 splits nothing, dp = 1
+// replicates nothing), so the defaults cost nothing.
+//
+// A policy that is accepted does what it says (DESIGN.md). The tags of algorithms that
+// are not built yet — every parallel::Pipeline<...>, parallel::Data<zero::Stage<K>> with
+// K > 0, recompute::Full and recompute::Selective — exist so that their names, kinds and
+// arguments are checked, but Compose rejects them with a sentence saying so
+// (detail::NotBuiltYet) rather than training something else; each is removed from that
+// list by the change that builds it.
 //
 // How it is built, and why:
 //  - Tags are empty structs carrying their Kind (a type in policy_kind::) and their name
@@ -222,6 +230,13 @@ struct Pipeline {
   static constexpr const char* kName = kNameStorage.chars;
 };
 
+// No pipeline: the whole model on every rank of the Grid's pp dimension, which must be 1.
+struct NoPipeline {
+  using Kind = policy_kind::Pipeline;
+  static constexpr int kChunks = 1;
+  static constexpr const char* kName = "parallel::NoPipeline";
+};
+
 // Data parallelism over the Grid's dp ranks, with a ZeRO stage.
 template <class ZeroStage>
 struct Data {
@@ -380,12 +395,40 @@ struct TwoPoliciesOfOneKind<policy_kind::Recompute, First, Second> {
   static constexpr bool kOk = true;
 };
 
-template <class Precision>
-struct Fp16ComputeOnCpu {
-  static_assert(kDependentFalse<Precision>,
-                "llmpar::Compose: precision::FP16Mixed cannot run on backend::Cpu: llmpar's CPU kernels do not "
-                "compute in fp16 (CPUs have no fast fp16 arithmetic); on the CPU use precision::BF16Mixed or "
-                "precision::FP32, or choose backend::Cuda");
+// Tags whose algorithm is not built yet. Compose accepts none of them: a run that named
+// one would otherwise train without it.
+template <class Tag>
+struct NotBuiltYet;
+template <class ScheduleTag>
+struct NotBuiltYet<parallel::Pipeline<ScheduleTag>> {
+  static_assert(kDependentFalse<ScheduleTag>,
+                "llmpar::Compose: parallel::Pipeline<...> is not built yet: llmpar has no pipeline-parallel executor, "
+                "so a run composed with it would train as one stage; leave the pipeline policy out "
+                "(parallel::NoPipeline, the default)");
+  static constexpr bool kOk = true;
+};
+template <int N>
+struct NotBuiltYet<parallel::Data<zero::Stage<N>>> {
+  static_assert(kDependentFalse<zero::Stage<N>>,
+                "llmpar::Compose: parallel::Data<zero::Stage<K>> with K > 0 is not built yet: llmpar does not shard "
+                "optimizer state, gradients or parameters, so the run would replicate them all; use "
+                "parallel::Data<zero::Stage<0>> (the default)");
+  static constexpr bool kOk = true;
+};
+template <class Tag>
+requires std::is_same_v<Tag, recompute::Full>
+struct NotBuiltYet<Tag> {
+  static_assert(kDependentFalse<Tag>,
+                "llmpar::Compose: recompute::Full is not built yet: every block keeps its activations, so the run "
+                "would use the memory of recompute::None; use recompute::None (the default)");
+  static constexpr bool kOk = true;
+};
+template <class Tag>
+requires std::is_same_v<Tag, recompute::Selective>
+struct NotBuiltYet<Tag> {
+  static_assert(kDependentFalse<Tag>,
+                "llmpar::Compose: recompute::Selective is not built yet: every block keeps its activations, so the "
+                "run would use the memory of recompute::None; use recompute::None (the default)");
   static constexpr bool kOk = true;
 };
 
@@ -409,15 +452,29 @@ struct CheckAtMostOne : std::conditional_t<(kCountOfKind<Kind, Tags...> > 1),
 // The combinations that cannot work. Kept short on purpose: everything Megatron or
 // DeepSpeed runs together is allowed (ZeRO with any pipeline schedule including the
 // interleaved one, selective or full recompute with or without sequence parallelism,
-// any precision on backend::Cuda). Rejected:
-//  - fp16 compute on backend::Cpu: the CPU kernels have no fp16 compute path (only f32,
-//    and bf16 via oneDNN), and CPUs lack fast fp16 math, so it could only be emulated.
-// (FP16Mixed without a loss scaler is rejected by FP16Mixed itself.)
+// any precision on either backend: fp16 on the CPU stores f16 and computes in f32, which
+// is slow but exact to the format, and is how the loss scaler is tested without a GPU).
+// Nothing is rejected today beyond what each tag checks itself (FP16Mixed without a
+// loss scaler, Interleaved1F1B<1>, zero::Stage<4>).
 template <class Backend, class Precision>
 struct CheckCombination : Passed {};
-template <class Precision>
-requires precision::Policy<Precision> && std::is_same_v<typename Precision::Compute, f16>
-struct CheckCombination<backend::Cpu, Precision> : Fp16ComputeOnCpu<Precision> {
+
+// Passes for the tags whose algorithms are built; fails with NotBuiltYet's sentence
+// for the others.
+template <class Tag>
+struct CheckBuilt : Passed {};
+template <class ScheduleTag>
+struct CheckBuilt<parallel::Pipeline<ScheduleTag>> : NotBuiltYet<parallel::Pipeline<ScheduleTag>> {};
+template <int N>
+requires(N > 0) struct CheckBuilt<parallel::Data<zero::Stage<N>>> : NotBuiltYet<parallel::Data<zero::Stage<N>>> {
+};
+template <class Tag>
+requires std::is_same_v<Tag, recompute::Full>
+struct CheckBuilt<Tag> : NotBuiltYet<Tag> {
+};
+template <class Tag>
+requires std::is_same_v<Tag, recompute::Selective>
+struct CheckBuilt<Tag> : NotBuiltYet<Tag> {
 };
 
 }  // namespace detail
@@ -446,6 +503,8 @@ struct PolicySet {
                 "llmpar::parallel::PolicySet: the 6th argument must be a recompute tag (recompute::None, "
                 "recompute::Full or recompute::Selective); llmpar::Compose<...> takes the tags in any order");
   static_assert(detail::CheckCombination<Backend, Precision>::kOk);
+  static_assert(detail::CheckBuilt<PipelinePolicy>::kOk && detail::CheckBuilt<DataPolicy>::kOk &&
+                detail::CheckBuilt<RecomputePolicy>::kOk);
 
   using backend = Backend;
   using precision = Precision;
@@ -482,7 +541,7 @@ struct Composed {
   using type = PolicySet<typename FindOfKind<policy_kind::Backend, 0, backend::Cpu, Tags...>::type,
                          typename FindOfKind<policy_kind::Precision, 0, precision::FP32, Tags...>::type,
                          typename FindOfKind<policy_kind::Tensor, 0, Tensor<SequenceParallel::off>, Tags...>::type,
-                         typename FindOfKind<policy_kind::Pipeline, 0, Pipeline<schedule::OneFOneB>, Tags...>::type,
+                         typename FindOfKind<policy_kind::Pipeline, 0, NoPipeline, Tags...>::type,
                          typename FindOfKind<policy_kind::Data, 0, Data<zero::Stage<0>>, Tags...>::type,
                          typename FindOfKind<policy_kind::Recompute, 0, recompute::None, Tags...>::type>;
   static_assert(sizeof(type) > 0);  // completes the set, which runs its own checks

@@ -3,9 +3,11 @@
 //
 // MFU follows the llm.c / Kaplan et al. convention: model FLOPs per token are
 // 6·N + 6·L·C·T (N parameters, L layers, C channels, T sequence length), and the
-// denominator is the machine's measured peak (on the CPU, the best sgemm throughput
-// measured in the same run), so the figure means "fraction of what this machine's
-// GEMM library can do", not a datasheet number.
+// denominator is the peak of the run's precision: on the CPU the best GEMM throughput
+// measured in the same run, in that precision, over square products and the model's
+// own GEMM shapes (backend/cpu/peak.hpp), so the figure means "fraction of what this
+// machine's GEMM library can do" and cannot exceed 100%; on a GPU the data sheet's
+// dense peak of that precision.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +27,10 @@ struct StepStats {
   double grad_norm = 0.0;
   double ms = 0.0;
   double tokens_per_s = 0.0;
-  double mfu = 0.0;  // fraction of the measured peak
+  double mfu = 0.0;                // fraction of the peak
+  double loss_scale = 1.0;         // the loss scale this step's backward ran with (1 without a scaler)
+  bool skipped = false;            // some gradient was inf/NaN: the update was not applied
+  std::int64_t skipped_total = 0;  // skipped steps so far, this one included
 };
 
 // Model FLOPs per trained token (forward and backward).
@@ -59,19 +64,28 @@ class MetricsWriter {
            {"grad_norm", s.grad_norm},
            {"ms", s.ms},
            {"tokens_per_s", s.tokens_per_s},
-           {"mfu", s.mfu}});
+           {"mfu", s.mfu},
+           {"loss_scale", s.loss_scale},
+           {"skipped", s.skipped},
+           {"skipped_total", s.skipped_total}});
   }
 
  private:
   std::ofstream out_;
 };
 
-inline std::string format_step(const StepStats& s, std::int64_t total_steps) {
-  char line[256];
-  std::snprintf(line, sizeof line,
-                "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
-                static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm, s.ms,
-                s.tokens_per_s, 100.0 * s.mfu);
+// One line per step; `scaled` adds the loss scale (FP16Mixed runs). A skipped step says so.
+inline std::string format_step(const StepStats& s, std::int64_t total_steps, bool scaled = false) {
+  char line[320];
+  int n = std::snprintf(line, sizeof line,
+                        "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
+                        static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm,
+                        s.ms, s.tokens_per_s, 100.0 * s.mfu);
+  if (scaled && n > 0 && n < static_cast<int>(sizeof line))
+    n += std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), " | scale %g", s.loss_scale);
+  if (s.skipped && n > 0 && n < static_cast<int>(sizeof line))
+    std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), " | skipped: inf/NaN gradient (%lld so far)",
+                  static_cast<long long>(s.skipped_total));
   return line;
 }
 

@@ -35,7 +35,7 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
   const auto& mc = model.config();
   using Acc = float;
   Buffer<Acc> probs(mc.vocab);
-  Buffer<float> row(mc.padded_vocab);
+  Buffer<typename Model::value_type> row(mc.padded_vocab);  // the model's logits, in its storage type
   const rng::Stream stream = rng::Stream::named(cfg.seed, "sample");
   // A model split by sequence parallelism takes sequences of a multiple of its degree:
   // the window is padded on the right, which a causal model's earlier positions ignore.

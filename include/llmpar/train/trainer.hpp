@@ -1,10 +1,23 @@
 // llmpar/train/trainer.hpp — the training loop: micro-batches, gradient accumulation,
-// clipping, AdamW, the schedule, evaluation, and the numbers a step reports.
+// loss scaling, clipping, AdamW, the schedule, evaluation, and the numbers a step reports.
 //
-// The loop is a template over the model so that any type with forward/backward/
-// zero_grad/parameter_store trains; the example trainers and the tests drive it the
-// same way. Nothing here is global: the context, the model, the loaders, the configs
-// and the communicator are all passed in.
+// The loop is a template over the model and its composed policy, so that any type with
+// forward/backward/zero_grad/parameter_store trains; the example trainers and the tests
+// drive it the same way. Nothing here is global: the context, the model, the loaders,
+// the configs and the communicator are all passed in.
+//
+// Precision. The policy's precision says what the model stores (Model::value_type must
+// be its Compute type: models::GPT2<bf16, B> for BF16Mixed) and which loss scaler runs:
+// FP16Mixed's dynamic scaler (precision/loss_scaler.hpp) multiplies each micro-batch's
+// loss gradient by the scale, the optimizer takes the norm of the unscaled gradient and
+// divides the scale out in its update. Gradients are f32 main grads under every policy.
+// The policy defaults to the one the model's type implies (PolicyOf<Model>).
+//
+// A step whose gradient holds inf/NaN on any rank is skipped on every rank: the
+// optimizer's norm decides it over the tensor-parallel group and the trainer reduces
+// the verdict over the replicas, so all ranks see the same verdict, skip together and
+// keep the same scaler state. Without a scaler a skipped step is still reported
+// (StepStats::skipped, the metrics log), never applied.
 //
 // Replicas: given a communicator over ranks that hold the same model (each reading its
 // own rows of the global batch, see data::DataLoader), the trainer averages gradients
@@ -17,12 +30,13 @@
 // gradients live on the device, so the replicas' communicator must be NCCL.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <array>
 #include <functional>
 #include <span>
+#include <type_traits>
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/init.hpp"
@@ -31,14 +45,18 @@
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
+#include "llmpar/parallel/compose.hpp"
+#include "llmpar/precision/loss_scaler.hpp"
+#include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
 
 namespace llmpar::train {
 
 struct TrainerConfig {
   std::int64_t steps = 100;
-  std::int64_t grad_accum = 1;  // micro-batches per optimizer step
-  double peak_gflops = 0.0;     // MFU denominator; 0 leaves MFU at 0
+  std::int64_t grad_accum = 1;                       // micro-batches per optimizer step
+  double peak_gflops = 0.0;                          // MFU denominator; 0 leaves MFU at 0
+  precision::DynamicLossScale::Config loss_scale{};  // FP16Mixed's scaler (unused otherwise)
 
   void validate() const {
     LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
@@ -47,12 +65,44 @@ struct TrainerConfig {
   }
 };
 
+namespace detail {
+// The precision a model's storage type implies.
+template <class T>
+struct PrecisionOf {
+  using type = precision::FP32;  // float, and the double models of the tests
+};
+template <>
+struct PrecisionOf<bf16> {
+  using type = precision::BF16Mixed;
+};
+template <>
+struct PrecisionOf<f16> {
+  using type = precision::FP16Mixed<precision::DynamicLossScale>;
+};
+}  // namespace detail
+
+// The policy a model's own type implies: its backend and the precision of its storage
+// type (everything else default).
 template <class Model>
+using PolicyOf = Compose<typename Model::BackendTag, typename detail::PrecisionOf<typename Model::value_type>::type>;
+
+template <class Model, ComposedPolicy Policy = PolicyOf<Model>>
 class Trainer {
  public:
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;
-  using Optimizer = typename Backend::template Optimizer<float>;
+  using T = typename Model::value_type;
+  using Optimizer = typename Backend::template Optimizer<T>;
+  using Precision = typename Policy::precision;
+  using Scaler = precision::ScalerFor<Precision>;
+  static_assert(std::is_same_v<typename Policy::backend, Backend>,
+                "llmpar::train::Trainer: the policy's backend is not the model's; compose the policy with the "
+                "model's backend tag (Model::BackendTag)");
+  static_assert(std::is_same_v<typename Precision::Compute, T> ||
+                    (std::is_same_v<T, double> && std::is_same_v<Precision, precision::FP32>),
+                "llmpar::train::Trainer: the model's storage type is not the policy precision's Compute type; "
+                "instantiate the model for Policy::precision::Compute (float for precision::FP32, bf16 for "
+                "precision::BF16Mixed, f16 for precision::FP16Mixed<...>)");
 
   // `replicas`: the ranks holding copies of this model (nullptr: this rank alone).
   Trainer(Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
@@ -60,6 +110,7 @@ class Trainer {
       : ctx_(ctx),
         model_(model),
         optimizer_(Backend::make_optimizer(ctx, model.parameter_store(), opt)),
+        scaler_(scaler_config(cfg)),
         schedule_(schedule),
         train_(train),
         cfg_(cfg),
@@ -89,12 +140,13 @@ class Trainer {
     const auto t0 = std::chrono::steady_clock::now();
     const auto& lc = train_.config();
     const std::int64_t batch = lc.batch_size, seq = lc.seq_len;
-    model_.zero_grad();
+    const float loss_scale = scaler_.scale();
+    model_.zero_grad(ctx_);
     double loss = 0.0;
     for (std::int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
       const data::Batch b = train_.next();
-      loss +=
-          model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq, 1.0f / static_cast<float>(cfg_.grad_accum));
+      loss += model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq,
+                             loss_scale / static_cast<float>(cfg_.grad_accum));
       model_.backward(ctx_);
     }
     loss /= static_cast<double>(cfg_.grad_accum);
@@ -102,21 +154,36 @@ class Trainer {
       nn::sum_sequence_parallel_gradients<Backend>(ctx_, model_.parameter_store(), model_.tensor_parallel());
     if (replicas_) {
       auto& store = model_.parameter_store();
-      replicas_->all_reduce(std::span<float>(store.grads(), store.flat_size()), comm::ReduceOp::avg);
+      replicas_->all_reduce(std::span<float>(store.grads(), static_cast<std::size_t>(store.flat_size())),
+                            comm::ReduceOp::avg);
       loss = average(loss);
     }
+    if (gradient_hook_) gradient_hook_(model_);
     LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
                  "; lower --lr, raise --warmup, or check the data");
     const float lr = schedule_(step_);
-    const double norm = optimizer_.step(lr);
+    // The norm and its verdict over the model-parallel group, then over the replicas.
+    const float inv_scale = 1.0f / loss_scale;
+    const optim::GradNorm norm = optimizer_.gradient_norm(inv_scale);
+    bool found_inf = !norm.finite;
+    if (replicas_) {
+      std::array<float, 1> flag{found_inf ? 1.0f : 0.0f};
+      replicas_->all_reduce(flag, comm::ReduceOp::max);
+      found_inf = flag[0] != 0.0f;
+    }
+    const precision::ScaleUpdate verdict = scaler_.update(found_inf, step_ + 1);
+    if (!verdict.skipped) optimizer_.update(lr, norm, inv_scale);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     StepStats s;
     s.step = ++step_;
     s.loss = loss;
     s.lr = lr;
-    s.grad_norm = norm;
+    s.grad_norm = norm.norm;
     s.ms = 1e3 * seconds;
+    s.loss_scale = loss_scale;
+    s.skipped = verdict.skipped;
+    s.skipped_total = scaler_.skipped_steps();
     const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum * (replicas_ ? replicas_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
@@ -126,6 +193,11 @@ class Trainer {
     }
     return s;
   }
+
+  // Called once per step after the gradients are complete (summed over the
+  // sequence-parallel group and averaged over the replicas) and before the norm and the
+  // update: to inspect them, or to inject a fault in a test.
+  void set_gradient_hook(std::function<void(Model&)> hook) { gradient_hook_ = std::move(hook); }
 
   // Mean loss over `batches` batches of `loader` (no gradient state is touched).
   double evaluate(data::DataLoader& loader, std::int64_t batches) {
@@ -147,8 +219,16 @@ class Trainer {
 
   std::int64_t steps_done() const { return step_; }
   Optimizer& optimizer() { return optimizer_; }
+  const Scaler& loss_scaler() const { return scaler_; }
 
  private:
+  static typename Scaler::Config scaler_config(const TrainerConfig& cfg) {
+    if constexpr (Precision::kHasLossScale)
+      return cfg.loss_scale;
+    else
+      return {};
+  }
+
   // The mean of a per-rank value over the replicas (in float, like the losses).
   double average(double v) {
     std::array<float, 1> x{static_cast<float>(v)};
@@ -159,6 +239,8 @@ class Trainer {
   Context& ctx_;
   Model& model_;
   Optimizer optimizer_;
+  Scaler scaler_;
+  std::function<void(Model&)> gradient_hook_;
   optim::CosineSchedule schedule_;
   data::DataLoader& train_;
   TrainerConfig cfg_;

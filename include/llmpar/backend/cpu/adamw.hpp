@@ -11,6 +11,11 @@
 //
 // grad_scale multiplies every gradient before the update: 1 / loss_scale, the global
 // gradient-clipping factor, or 1 / accumulation_steps, folded into one multiply.
+//
+// Master weights. A model stored in bf16/f16 keeps its parameters' f32 master copy in
+// the optimizer: the update runs on master, m and v in f32, and the same loop writes the
+// model's working copy param = P(master) (round to nearest even), so refreshing the
+// 16-bit weights costs no pass of its own.
 #pragma once
 
 #include <cmath>
@@ -19,6 +24,7 @@
 
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/config.hpp"
+#include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/math/adamw.hpp"
 
@@ -49,6 +55,35 @@ void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RES
     params[i] = p;
     m[i] = mi;
     v[i] = vi;
+  }
+}
+
+// The same update on f32 master weights, writing the storage copy params = P(master)
+// (P: bf16 or f16). master, m, v: (n) f32, updated in place; params: (n); grads: (n) f32.
+template <class P>
+void adamw_update_master(float* LLMPAR_RESTRICT master, P* LLMPAR_RESTRICT params, float* LLMPAR_RESTRICT m,
+                         float* LLMPAR_RESTRICT v, const float* LLMPAR_RESTRICT grads, std::int64_t n,
+                         const math::AdamWParams& hp, int step, float grad_scale = 1.0f) {
+  static_assert(std::is_same_v<P, bf16> || std::is_same_v<P, f16>,
+                "adamw_update_master refreshes a 16-bit copy; float parameters are their own master (adamw_update)");
+  math::validate(hp);
+  LLMPAR_CHECK(n >= 0, "adamw_update_master: n = ", n, "; it must be >= 0");
+  LLMPAR_CHECK(std::isfinite(grad_scale), "adamw_update_master: grad_scale = ", grad_scale,
+               "; it must be finite (a non-finite scale means the step should be skipped)");
+  const math::AdamWBiasCorrections corrections = math::adamw_bias_corrections(hp, step);
+  const math::AdamWParams local = hp;
+  const float c1 = static_cast<float>(corrections.first);
+  const float c2 = static_cast<float>(corrections.second);
+#pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
+  for (std::int64_t i = 0; i < n; ++i) {
+    float p = master[i];
+    float mi = m[i];
+    float vi = v[i];
+    math::adamw_step(p, mi, vi, grads[i] * grad_scale, local, c1, c2);
+    master[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+    params[i] = llmpar::convert<P>(p);
   }
 }
 

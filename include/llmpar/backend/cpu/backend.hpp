@@ -40,11 +40,11 @@ struct Cpu {
     return Optimizer<T>(store, cfg);
   }
 
-  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]
-  template <class T>
-  static void gemm(Context& ctx, T* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
+  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; C is T, or acc_t<T> (f32 main grads).
+  template <class T, class TC = T>
+  static void gemm(Context& ctx, TC* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
                    std::int64_t k, GemmOp op) {
-    cpu::gemm<T>(ctx, c, a, b, bias, m, n, k, op);
+    cpu::gemm<T, TC>(ctx, c, a, b, bias, m, n, k, op);
   }
   // pre (M,N) = x·Wᵀ + bias, act = gelu(pre): a Linear followed by GELU.
   template <class T>
@@ -56,8 +56,8 @@ struct Cpu {
   // dpre (M,N) = (dy (M,K) · W (K,N)) * gelu'(pre): the input gradient of a Linear whose
   // input was gelu(pre), carried back through the GELU.
   template <class T>
-  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre,
-                                    std::int64_t m, std::int64_t n, std::int64_t k) {
+  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre, std::int64_t m,
+                                    std::int64_t n, std::int64_t k) {
     cpu::gemm<T>(ctx, dpre, dy, weight, nullptr, m, n, k, {});
     cpu::gelu_backward(dpre, pre, dpre, m * n);
   }
@@ -67,8 +67,9 @@ struct Cpu {
     cpu::layernorm_forward(out, mean, rstd, x, weight, bias, rows, C, eps);
   }
   template <class T>
-  static void layernorm_backward(Context&, T* dx, T* dweight, T* dbias, const T* dout, const T* x, const T* weight,
-                                 const Acc<T>* mean, const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
+  static void layernorm_backward(Context&, T* dx, Acc<T>* dweight, Acc<T>* dbias, const T* dout, const T* x,
+                                 const T* weight, const Acc<T>* mean, const Acc<T>* rstd, std::int64_t rows,
+                                 std::int64_t C) {
     cpu::layernorm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, C);
   }
   // out (rows, C) = x * rstd * weight (RMSNorm, no mean, no bias); rstd saved for backward.
@@ -78,7 +79,7 @@ struct Cpu {
     cpu::rmsnorm_forward(out, rstd, x, weight, rows, C, eps);
   }
   template <class T>
-  static void rmsnorm_backward(Context&, T* dx, T* dweight, const T* dout, const T* x, const T* weight,
+  static void rmsnorm_backward(Context&, T* dx, Acc<T>* dweight, const T* dout, const T* x, const T* weight,
                                const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
     cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, rows, C);
   }
@@ -105,18 +106,18 @@ struct Cpu {
     cpu::add_inplace(a, b, n);
   }
   template <class T>
-  static void bias_backward(Context&, T* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
+  static void bias_backward(Context&, Acc<T>* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
     cpu::bias_backward(dbias, dout, rows, n);
   }
   // wte holds the rows `slice` of the token table (default: all); wpe may be null.
   template <class T>
-  static void encoder_forward(Context&, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
-                              std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+  static void encoder_forward(Context&, T* out, const std::int32_t* tokens, const T* wte, const T* wpe, std::int64_t B,
+                              std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
     cpu::encoder_forward(out, tokens, wte, wpe, B, T_len, C, slice);
   }
   template <class T>
-  static void encoder_backward(Context&, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens, std::int64_t B,
-                               std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
+  static void encoder_backward(Context&, Acc<T>* dwte, Acc<T>* dwpe, const T* dout, const std::int32_t* tokens,
+                               std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
     cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T_len, C, slice);
   }
   // Targets are checked here (on the host) before any row is touched.
@@ -161,6 +162,11 @@ struct Cpu {
   template <class T>
   static void copy(Context&, T* dst, const T* src, std::int64_t n) {
     if (n > 0) std::memcpy(static_cast<void*>(dst), src, static_cast<std::size_t>(n) * sizeof(T));
+  }
+  // p (n) = 0, in this backend's memory (the gradients before a step).
+  template <class T>
+  static void zero(Context&, T* p, std::int64_t n) {
+    if (n > 0) std::memset(static_cast<void*>(p), 0, static_cast<std::size_t>(n) * sizeof(T));
   }
   static void synchronize(Context&) {}
 };

@@ -1,8 +1,9 @@
 // llmpar/backend/cpu/common.hpp — what every CPU kernel shares.
 //
-// The accumulation type is chosen here once: kernels store T and compute in acc_t<T>,
-// double for double storage (reference tests), float for everything else (float,
-// bf16, f16). Conversions go through static_cast so bf16/f16 storage works unchanged.
+// Kernels store T and compute in acc_t<T> (core/dtype.hpp): double for double storage
+// (reference tests), float for everything else (float, bf16, f16). Conversions go
+// through static_cast so bf16/f16 storage works unchanged. Parameter gradients are
+// acc_t<T> too, whatever T is (f32 main grads).
 //
 // The work constants are here too so that all kernels make the same trade-offs:
 // below kMinParallelWork elements an OpenMP fork/join costs more than it saves;
@@ -22,15 +23,7 @@ namespace llmpar::backend::cpu {
 template <class T>
 inline constexpr bool kCpuStorage = std::is_same_v<T, double> || kIsFloating<T>;
 
-template <class T>
-struct Accumulator {
-  static_assert(kCpuStorage<T>, "llmpar CPU kernels store float, double, bf16 or f16");
-  using type = std::conditional_t<std::is_same_v<T, double>, double, float>;
-};
-
-// The type a kernel computes in for storage type T.
-template <class T>
-using acc_t = typename Accumulator<T>::type;
+using llmpar::acc_t;
 
 // Fewer elements than this run on the calling thread.
 inline constexpr std::int64_t kMinParallelWork = std::int64_t{1} << 15;

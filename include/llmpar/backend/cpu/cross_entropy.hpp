@@ -145,8 +145,8 @@ inline void check_slice(const char* who, std::int64_t rows, std::int64_t V, std:
 // targets: (rows) in [0, V).
 template <class T>
 void vocab_parallel_cross_entropy_stats(acc_t<T>* LLMPAR_RESTRICT stats, const T* LLMPAR_RESTRICT logits,
-                                        const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows,
-                                        std::int64_t V, std::int64_t v0, std::int64_t Vlocal) {
+                                        const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows, std::int64_t V,
+                                        std::int64_t v0, std::int64_t Vlocal) {
   using Acc = acc_t<T>;
   detail::xent::check_slice("vocab_parallel_cross_entropy_stats", rows, V, v0, Vlocal);
   detail::xent::check_targets(targets, rows, V);
@@ -170,8 +170,8 @@ void vocab_parallel_cross_entropy_stats(acc_t<T>* LLMPAR_RESTRICT stats, const T
 template <class T>
 void vocab_parallel_cross_entropy_finish(T* dlogits, acc_t<T>* LLMPAR_RESTRICT losses, const T* logits,
                                          const acc_t<T>* LLMPAR_RESTRICT gathered, int ranks,
-                                         const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows,
-                                         std::int64_t V, std::int64_t v0, std::int64_t Vlocal, acc_t<T> dloss) {
+                                         const std::int32_t* LLMPAR_RESTRICT targets, std::int64_t rows, std::int64_t V,
+                                         std::int64_t v0, std::int64_t Vlocal, acc_t<T> dloss) {
   using Acc = acc_t<T>;
   detail::xent::check_slice("vocab_parallel_cross_entropy_finish", rows, V, v0, Vlocal);
   LLMPAR_CHECK(ranks >= 1, "vocab_parallel_cross_entropy_finish: ranks = ", ranks, "; it must be >= 1");

@@ -11,7 +11,8 @@
 //
 // Tokens must be in [0, V) for the wte of V rows: the kernels do not know V and do
 // not check, so tokens are validated where they enter the program (the data loader).
-// Convention: dwte and dwpe are accumulated into (+=).
+// Convention: dwte and dwpe (acc_t<T>: f32 main grads for 16-bit storage) are
+// accumulated into (+=).
 //
 // Vocabulary parallel: with `slice` = the rows [first, first + count) of the full table
 // that this rank holds, wte is those rows only; a token outside the slice contributes
@@ -63,7 +64,7 @@ void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT
 // dwte: (slice.count or V, C) +=; dwpe: (>= Tlen, C) += or null; dout: (B, Tlen, C);
 // tokens: (B, Tlen).
 template <class T>
-void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe, const T* LLMPAR_RESTRICT dout,
+void encoder_backward(acc_t<T>* LLMPAR_RESTRICT dwte, acc_t<T>* LLMPAR_RESTRICT dwpe, const T* LLMPAR_RESTRICT dout,
                       const std::int32_t* LLMPAR_RESTRICT tokens, std::int64_t B, std::int64_t Tlen, std::int64_t C,
                       RowSlice slice = {}) {
   using Acc = acc_t<T>;
@@ -78,16 +79,14 @@ void encoder_backward(T* LLMPAR_RESTRICT dwte, T* LLMPAR_RESTRICT dwpe, const T*
     for (std::int64_t bt = 0; bt < positions; ++bt) {
       const T* LLMPAR_RESTRICT g = dout + bt * C + c0;
       if (slice.holds(tokens[bt])) {
-        T* LLMPAR_RESTRICT token_row = dwte + (tokens[bt] - slice.first) * C + c0;
+        Acc* LLMPAR_RESTRICT token_row = dwte + (tokens[bt] - slice.first) * C + c0;
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j)
-          token_row[j] = static_cast<T>(static_cast<Acc>(token_row[j]) + static_cast<Acc>(g[j]));
+        for (std::int64_t j = 0; j < n; ++j) token_row[j] += static_cast<Acc>(g[j]);
       }
       if (dwpe != nullptr) {
-        T* LLMPAR_RESTRICT position_row = dwpe + (bt % Tlen) * C + c0;
+        Acc* LLMPAR_RESTRICT position_row = dwpe + (bt % Tlen) * C + c0;
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j)
-          position_row[j] = static_cast<T>(static_cast<Acc>(position_row[j]) + static_cast<Acc>(g[j]));
+        for (std::int64_t j = 0; j < n; ++j) position_row[j] += static_cast<Acc>(g[j]);
       }
     }
   }

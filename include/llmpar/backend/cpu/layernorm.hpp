@@ -17,7 +17,8 @@
 // threads. The price is a second read of x and dout (about 1.5x the minimal traffic),
 // which buys no workspace and no dependence on the thread count.
 //
-// Conventions: dx is overwritten; dweight and dbias are accumulated into (+=).
+// Conventions: dx is overwritten; dweight and dbias (acc_t<T>: f32 main grads for
+// 16-bit storage) are accumulated into (+=).
 #pragma once
 
 #include <algorithm>
@@ -92,7 +93,7 @@ void layernorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT mean, a
 
 // dx, dout, x: (rows, C); dweight, dbias, weight: (C); mean, rstd: (rows) from forward.
 template <class T>
-void layernorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight, T* LLMPAR_RESTRICT dbias,
+void layernorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight, acc_t<T>* LLMPAR_RESTRICT dbias,
                         const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT x, const T* LLMPAR_RESTRICT weight,
                         const acc_t<T>* LLMPAR_RESTRICT mean, const acc_t<T>* LLMPAR_RESTRICT rstd, std::int64_t rows,
                         std::int64_t C) {
@@ -122,8 +123,8 @@ void layernorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight, T* LL
       }
 #pragma omp simd
       for (std::int64_t j = 0; j < n; ++j) {
-        dweight[c0 + j] = static_cast<T>(static_cast<Acc>(dweight[c0 + j]) + dw[j]);
-        dbias[c0 + j] = static_cast<T>(static_cast<Acc>(dbias[c0 + j]) + db[j]);
+        dweight[c0 + j] += dw[j];
+        dbias[c0 + j] += db[j];
       }
     }
 

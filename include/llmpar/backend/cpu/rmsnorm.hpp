@@ -15,7 +15,7 @@
 // parallel region; as in LayerNorm, a thread owns whole column tiles and visits the rows
 // in order, so every column's sum is the same sequence of additions for any thread count.
 //
-// Conventions: dx is overwritten; dweight is accumulated into (+=).
+// Conventions: dx is overwritten; dweight (acc_t<T>) is accumulated into (+=).
 #pragma once
 
 #include <algorithm>
@@ -52,7 +52,7 @@ void rmsnorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT rstd, con
 
 // dx, dout, x: (rows, C); dweight, weight: (C); rstd: (rows) from forward.
 template <class T>
-void rmsnorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight, const T* LLMPAR_RESTRICT dout,
+void rmsnorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight, const T* LLMPAR_RESTRICT dout,
                       const T* LLMPAR_RESTRICT x, const T* LLMPAR_RESTRICT weight, const acc_t<T>* LLMPAR_RESTRICT rstd,
                       std::int64_t rows, std::int64_t C) {
   using Acc = acc_t<T>;
@@ -74,7 +74,7 @@ void rmsnorm_backward(T* LLMPAR_RESTRICT dx, T* LLMPAR_RESTRICT dweight, const T
         for (std::int64_t j = 0; j < n; ++j) dw[j] += static_cast<Acc>(gr[j]) * (static_cast<Acc>(xr[j]) * s);
       }
 #pragma omp simd
-      for (std::int64_t j = 0; j < n; ++j) dweight[c0 + j] = static_cast<T>(static_cast<Acc>(dweight[c0 + j]) + dw[j]);
+      for (std::int64_t j = 0; j < n; ++j) dweight[c0 + j] += dw[j];
     }
 
     // dx = rstd * (g - norm * mean(g * norm)), g = dout * weight.

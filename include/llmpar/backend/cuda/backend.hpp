@@ -76,32 +76,40 @@ class Context {
 };
 
 // AdamW over a ParameterStore in device memory: the same update as optim::AdamW (same
-// clipping rule, same per-parameter weight decay), in two launches per step (four and
-// an all-reduce of one float when the model is split over a tensor-parallel group).
+// clipping rule, same per-parameter weight decay, the same two calls a step), with f32
+// master weights for a bf16/f16 store (the update writes the 16-bit working copy in the
+// same kernel: kernels::AdamWPlan<float, T>).
+//
+// gradient_norm() runs the norm kernels (and, split over a tensor-parallel group, one
+// all-reduce of two floats), reads the norm back and decides on the host whether every
+// gradient is finite, as the CPU optimizer does; the trainer then skips the step or calls
+// update(), which launches the update and returns without waiting. The step kernel's own
+// device check (found_inf) stays as a guard; it cannot fire for a step the host let
+// through.
 template <class T>
 class AdamW {
  public:
   using Store = nn::ParameterStore<T, memory::Device>;
+  static constexpr bool kSeparateMaster = !std::is_same_v<T, float>;
 
   AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg)
-      : ctx_(ctx),
-        store_(store),
-        cfg_(cfg),
-        m_(store.flat_size()),
-        v_(store.flat_size()),
-        norm_sq_(2),
-        found_inf_(1) {
+      : ctx_(ctx), store_(store), cfg_(cfg), m_(store.flat_size()), v_(store.flat_size()), norm_sq_(3), found_inf_(1) {
     cfg.validate();
-    m_.zero();
-    v_.zero();
-    found_inf_.zero();
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(m_.data(), 0, m_.bytes(), ctx.stream()));
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(v_.data(), 0, v_.bytes(), ctx.stream()));
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, found_inf_.bytes(), ctx.stream()));
+    if constexpr (kSeparateMaster) {
+      master_.resize(store.flat_size());
+      if (store.flat_size() > 0) kernels::convert(ctx.stream(), master_.data(), store.values(), store.flat_size());
+    }
     plan_.emplace(ctx.stream(), tensors([](const nn::Parameter<T>&) { return true; }));
   }
 
   // A model split over a tensor-parallel group: the gradient norm sums the squares of
   // the split parameters (each rank holds a different slice) over the group and counts
-  // the replicated ones (the same on every rank) once, as optim::AdamW does. The group
-  // must reduce device memory (NCCL).
+  // the replicated ones (the same on every rank) once, as optim::AdamW does; whether a
+  // gradient is inf/NaN is decided over the group. The group must reduce device memory
+  // (NCCL).
   void set_model_parallel(nn::TensorParallelGroup tp) {
     tp_ = tp;
     if (!tp.split()) return;
@@ -109,43 +117,77 @@ class AdamW {
     replicated_plan_.emplace(ctx_.stream(), tensors([](const nn::Parameter<T>& p) { return !p.split.is_split(); }));
   }
 
-  // One update at learning rate lr; returns the gradient norm before clipping.
-  double step(float lr) {
-    ++step_;
+  // The global norm of the unscaled gradient and whether every gradient is finite;
+  // leaves the total (scaled) sum of squares on the device for update().
+  optim::GradNorm gradient_norm(float inv_loss_scale = 1.0f) {
     const cudaStream_t stream = ctx_.stream();
+    float host[3] = {0.0f, 0.0f, 0.0f};
+    bool finite = true;
     if (tp_.split()) {
-      // norm² = Σ_group (split parameters' squares) + replicated parameters' squares.
+      // [0] split part, [1] replicated part (both summed over the group: the norm's split
+      // part, and the verdict on the replicated part), [2] this rank's replicated part.
       squares(*split_plan_, norm_sq_.data());
       squares(*replicated_plan_, norm_sq_.data() + 1);
+      LLMPAR_CHECK_CUDA(
+          cudaMemcpyAsync(norm_sq_.data() + 2, norm_sq_.data() + 1, sizeof(float), cudaMemcpyDeviceToDevice, stream));
       ctx_.synchronize();  // the group's reduction starts from the host
-      tp_.all_reduce(norm_sq_.data(), 1);
-      kernels::add_inplace(stream, norm_sq_.data(), norm_sq_.data() + 1, 1);
+      tp_.all_reduce(norm_sq_.data(), 2);
+      kernels::add_inplace(stream, norm_sq_.data(), norm_sq_.data() + 2, 1);
+      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, norm_sq_.data(), 3 * sizeof(float), cudaMemcpyDeviceToHost, stream));
+      ctx_.synchronize();
+      finite = std::isfinite(host[1]);
     } else {
       squares(*plan_, norm_sq_.data());
+      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream));
+      ctx_.synchronize();
     }
+    const double squares_total = static_cast<double>(host[0]);
+    finite = finite && std::isfinite(squares_total);
+    return {std::sqrt(squares_total) * static_cast<double>(inv_loss_scale), finite};
+  }
+
+  // One update at learning rate lr from the last gradient_norm(); queued, not waited for.
+  void update(float lr, const optim::GradNorm& norm, float inv_loss_scale = 1.0f) {
+    LLMPAR_CHECK(norm.finite, "cuda::AdamW::update with a non-finite gradient norm (", norm.norm,
+                 "); skip the step instead (the trainer does, and its loss scaler backs off)");
+    ++step_;
     const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), stream));
-    plan_->step(stream, hp, step_, norm_sq_.data(), 1.0f, cfg_.grad_clip, found_inf_.data());
-    float norm_sq = 0.0f;
-    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(&norm_sq, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream));
-    ctx_.synchronize();
-    return std::sqrt(static_cast<double>(norm_sq));
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx_.stream()));
+    plan_->step(ctx_.stream(), hp, step_, norm_sq_.data(), inv_loss_scale, cfg_.grad_clip, found_inf_.data());
+  }
+
+  // gradient_norm and update in one call; a non-finite gradient skips the update.
+  optim::StepResult step(float lr, float inv_loss_scale = 1.0f) {
+    const optim::GradNorm g = gradient_norm(inv_loss_scale);
+    if (g.finite) update(lr, g, inv_loss_scale);
+    return {g.norm, !g.finite};
   }
 
   int steps_taken() const { return step_; }
   const optim::AdamWConfig& config() const { return cfg_; }
+  std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
+  // The f32 master weights of a 16-bit store (empty for a float store).
+  Buffer<float, memory::Device>& master_weights() { return master_; }
 
  private:
   // The plan's tensors: the store's parameters that `keep` selects.
   template <class Keep>
-  std::vector<kernels::AdamWTensor<T, T>> tensors(Keep keep) {
-    std::vector<kernels::AdamWTensor<T, T>> out;
+  std::vector<kernels::AdamWTensor<float, T>> tensors(Keep keep) {
+    std::vector<kernels::AdamWTensor<float, T>> out;
     const T* base = store_.values();
     for (nn::Parameter<T>* p : store_.parameters()) {
       if (!keep(*p)) continue;
       const std::int64_t offset = p->value - base;
-      out.push_back({.master = p->value,
-                     .param = nullptr,
+      float* master = nullptr;
+      T* param = nullptr;
+      if constexpr (kSeparateMaster) {
+        master = master_.data() + offset;
+        param = p->value;
+      } else {
+        master = p->value;
+      }
+      out.push_back({.master = master,
+                     .param = param,
                      .grad = p->grad,
                      .m = m_.data() + offset,
                      .v = v_.data() + offset,
@@ -155,7 +197,7 @@ class AdamW {
     return out;
   }
   // norm_sq (1, device) = Σ grad² over the plan's tensors (0 for none).
-  void squares(const kernels::AdamWPlan<T, T>& plan, float* norm_sq) {
+  void squares(const kernels::AdamWPlan<float, T>& plan, float* norm_sq) {
     if (plan.num_tensors() == 0) {
       LLMPAR_CHECK_CUDA(cudaMemsetAsync(norm_sq, 0, sizeof(float), ctx_.stream()));
       return;
@@ -166,11 +208,11 @@ class AdamW {
   Context& ctx_;
   Store& store_;
   optim::AdamWConfig cfg_;
-  Buffer<float, memory::Device> m_, v_;
-  Buffer<float, memory::Device> norm_sq_;  // (2): the total (or the split part), the replicated part
+  Buffer<float, memory::Device> m_, v_, master_;
+  Buffer<float, memory::Device> norm_sq_;  // (3): the total (or split part), the replicated part, its local copy
   Buffer<int, memory::Device> found_inf_;
-  std::optional<kernels::AdamWPlan<T, T>> plan_;                                   // every parameter: the update
-  std::optional<kernels::AdamWPlan<T, T>> split_plan_, replicated_plan_;  // tensor parallelism: the norm's parts
+  std::optional<kernels::AdamWPlan<float, T>> plan_;                          // every parameter: the update
+  std::optional<kernels::AdamWPlan<float, T>> split_plan_, replicated_plan_;  // tensor parallelism: the norm's parts
   nn::TensorParallelGroup tp_;
   int step_ = 0;
 };
@@ -189,17 +231,17 @@ struct Cuda {
   template <class T>
   using Optimizer = cuda::AdamW<T>;
   template <class T>
-  static Optimizer<T> make_optimizer(Context& ctx, nn::ParameterStore<T, Space>& store,
-                                     const optim::AdamWConfig& cfg) {
+  static Optimizer<T> make_optimizer(Context& ctx, nn::ParameterStore<T, Space>& store, const optim::AdamWConfig& cfg) {
     return Optimizer<T>(ctx, store, cfg);
   }
 
-  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; a bias becomes cuBLASLt's bias epilogue.
-  template <class T>
-  static void gemm(Context& ctx, T* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
+  // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; a bias becomes cuBLASLt's bias epilogue. C is T,
+  // or float (16-bit operands writing f32 main grads).
+  template <class T, class TC = T>
+  static void gemm(Context& ctx, TC* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n,
                    std::int64_t k, GemmOp op) {
     if (bias != nullptr && op.epilogue == cuda::Epilogue::none) op.epilogue = cuda::Epilogue::bias;
-    ctx.blas().gemm<T>(ctx.stream(), c, a, b, bias, nullptr, m, n, k, op);
+    ctx.blas().gemm<T, TC>(ctx.stream(), c, a, b, bias, nullptr, m, n, k, op);
   }
   // pre (M,N) = x·Wᵀ + bias, act = gelu(pre), in one GEMM (cuBLASLt's GELU_AUX_BIAS
   // epilogue writes pre as its aux output).
@@ -214,8 +256,8 @@ struct Cuda {
   }
   // dpre (M,N) = (dy (M,K) · W (K,N)) * gelu'(pre), in one GEMM (the DGELU epilogue).
   template <class T>
-  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre,
-                                    std::int64_t m, std::int64_t n, std::int64_t k) {
+  static void linear_dgelu_backward(Context& ctx, T* dpre, const T* dy, const T* weight, const T* pre, std::int64_t m,
+                                    std::int64_t n, std::int64_t k) {
     ctx.blas().gemm<T>(ctx.stream(), dpre, dy, weight, nullptr, pre, m, n, k,
                        {.trans_a = false, .trans_b = false, .accumulate = false, .epilogue = cuda::Epilogue::dgelu});
   }
@@ -225,7 +267,7 @@ struct Cuda {
     kernels::layernorm_forward(ctx.stream(), out, mean, rstd, x, weight, bias, rows, C, eps);
   }
   template <class T>
-  static void layernorm_backward(Context& ctx, T* dx, T* dweight, T* dbias, const T* dout, const T* x,
+  static void layernorm_backward(Context& ctx, T* dx, float* dweight, float* dbias, const T* dout, const T* x,
                                  const T* weight, const float* mean, const float* rstd, std::int64_t rows,
                                  std::int64_t C) {
     float* workspace = ctx.scratch_floats(kernels::layernorm_backward_workspace(rows, C));
@@ -238,7 +280,7 @@ struct Cuda {
     kernels::rmsnorm_forward(ctx.stream(), out, rstd, x, weight, rows, C, eps);
   }
   template <class T>
-  static void rmsnorm_backward(Context& ctx, T* dx, T* dweight, const T* dout, const T* x, const T* weight,
+  static void rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* x, const T* weight,
                                const float* rstd, std::int64_t rows, std::int64_t C) {
     float* workspace = ctx.scratch_floats(kernels::rmsnorm_backward_workspace(rows, C));
     kernels::rmsnorm_backward(ctx.stream(), dx, dweight, dout, x, weight, rstd, workspace, rows, C);
@@ -267,7 +309,7 @@ struct Cuda {
     kernels::add_inplace(ctx.stream(), a, b, n);
   }
   template <class T>
-  static void bias_backward(Context& ctx, T* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
+  static void bias_backward(Context& ctx, float* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
     float* workspace = ctx.scratch_floats(kernels::bias_backward_workspace(rows, n));
     kernels::bias_backward(ctx.stream(), dbias, dout, workspace, rows, n);
   }
@@ -278,7 +320,7 @@ struct Cuda {
     kernels::encoder_forward(ctx.stream(), out, tokens, wte, wpe, B, T_len, C, slice);
   }
   template <class T>
-  static void encoder_backward(Context& ctx, T* dwte, T* dwpe, const T* dout, const std::int32_t* tokens,
+  static void encoder_backward(Context& ctx, float* dwte, float* dwpe, const T* dout, const std::int32_t* tokens,
                                std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
     void* workspace = ctx.scratch(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(B, T_len)));
     kernels::encoder_backward(ctx.stream(), dwte, dwpe, dout, tokens, workspace, B, T_len, C, slice);
@@ -316,22 +358,28 @@ struct Cuda {
   template <class T>
   static void upload(Context& ctx, T* dst, const T* host, std::int64_t n) {
     if (n > 0)
-      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(dst, host, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyHostToDevice,
-                                        ctx.stream()));
+      LLMPAR_CHECK_CUDA(
+          cudaMemcpyAsync(dst, host, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyHostToDevice, ctx.stream()));
   }
   template <class T>
   static void download(Context& ctx, T* host, const T* src, std::int64_t n) {
     if (n > 0)
-      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost,
-                                        ctx.stream()));
+      LLMPAR_CHECK_CUDA(
+          cudaMemcpyAsync(host, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost, ctx.stream()));
     ctx.synchronize();
   }
   // dst (n) = src (n), both in device memory, in the compute stream's order.
   template <class T>
   static void copy(Context& ctx, T* dst, const T* src, std::int64_t n) {
     if (n > 0)
-      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice,
-                                        ctx.stream()));
+      LLMPAR_CHECK_CUDA(
+          cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice, ctx.stream()));
+  }
+  // p (n) = 0, queued on the compute stream (the gradients before a step: no device-wide
+  // wait, unlike memory::Device::zero's set-up fill).
+  template <class T>
+  static void zero(Context& ctx, T* p, std::int64_t n) {
+    if (n > 0) LLMPAR_CHECK_CUDA(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), ctx.stream()));
   }
   static void synchronize(Context& ctx) { ctx.synchronize(); }
 };

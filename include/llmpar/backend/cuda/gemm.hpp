@@ -22,7 +22,9 @@
 // fp32 storage computes in full fp32 by default (Fp32Math::strict: the gpu tests
 // compare it with the CPU backend at 1e-5) or, when asked, through TF32 tensor cores
 // (Fp32Math::tf32, about 8x faster, 10-bit mantissa inputs). bf16/f16 storage always
-// accumulates in fp32.
+// accumulates in fp32, and its output is bf16/f16 or f32: the weight-gradient GEMMs of a
+// 16-bit model write (and accumulate into) its f32 main grads directly, which cuBLASLt
+// supports for 16-bit A and B with 32F compute and 32F C/D.
 #pragma once
 
 #include <cublasLt.h>
@@ -39,12 +41,12 @@
 #include "llmpar/core/error.hpp"
 
 // LLMPAR_CHECK_CUBLAS(call, message parts...): throws llmpar::Error naming the cuBLAS status.
-#define LLMPAR_CHECK_CUBLAS(call, ...)                                                                            \
-  do {                                                                                                            \
-    const cublasStatus_t llmpar_cublas_status_ = (call);                                                          \
-    if (llmpar_cublas_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                              \
-      ::llmpar::detail::throw_error(__FILE__, __LINE__, #call, "cuBLAS error ",                                   \
-                                    cublasLtGetStatusName(llmpar_cublas_status_), ": ",                           \
+#define LLMPAR_CHECK_CUBLAS(call, ...)                                                                                \
+  do {                                                                                                                \
+    const cublasStatus_t llmpar_cublas_status_ = (call);                                                              \
+    if (llmpar_cublas_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                                  \
+      ::llmpar::detail::throw_error(__FILE__, __LINE__, #call, "cuBLAS error ",                                       \
+                                    cublasLtGetStatusName(llmpar_cublas_status_), ": ",                               \
                                     cublasLtGetStatusString(llmpar_cublas_status_) __VA_OPT__(, "; ", ) __VA_ARGS__); \
   } while (0)
 
@@ -187,21 +189,29 @@ class Blas {
   }
 
   // C(M,N) [+]= op(A)·op(B) with op.epilogue applied; see Epilogue for bias and aux.
-  template <class T>
-  void gemm(cudaStream_t stream, T* c, const T* a, const T* b, const T* bias, const T* aux, std::int64_t m,
+  // A, B, bias and aux are T; C is T or float (16-bit operands, f32 main grads; no
+  // epilogue then).
+  template <class T, class TC = T>
+  void gemm(cudaStream_t stream, TC* c, const T* a, const T* b, const T* bias, const T* aux, std::int64_t m,
             std::int64_t n, std::int64_t k, GemmOp op) {
+    static_assert(std::is_same_v<TC, T> || std::is_same_v<TC, float>,
+                  "llmpar: a GEMM writes its storage type or f32 (main grads)");
+    LLMPAR_CHECK((std::is_same_v<TC, T> || op.epilogue == Epilogue::none), "gemm: epilogue ",
+                 detail::name_of(op.epilogue), " with an f32 output of ", name_of(dtype_of<T>()),
+                 " operands; epilogues run on GEMMs whose output is their operands' type");
     LLMPAR_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm sizes must be >= 0, got M=", m, " N=", n, " K=", k);
-    LLMPAR_CHECK(!detail::uses_bias(op.epilogue) || bias != nullptr, "gemm epilogue ",
-                 detail::name_of(op.epilogue), " needs a bias pointer; pass one or use Epilogue::none");
+    LLMPAR_CHECK(!detail::uses_bias(op.epilogue) || bias != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
+                 " needs a bias pointer; pass one or use Epilogue::none");
     LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || aux != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
                  " needs an aux pointer (the GELU input, (M, N)); pass one");
     LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || n % 8 == 0, "gemm epilogue ", detail::name_of(op.epilogue),
                  " needs N (", n, ") to be a multiple of 8, cuBLASLt's rule for the GELU input's stride");
     if (m == 0 || n == 0) return;
     constexpr cudaDataType_t type = detail::cuda_type<T>();
+    constexpr cudaDataType_t out_type = detail::cuda_type<TC>();
     // Column-major view: m' = N, n' = M; first operand B, second A.
     const std::int64_t cm = n, cn = m;
-    const Key key{static_cast<int>(type),
+    const Key key{static_cast<int>(type) * 1000 + static_cast<int>(out_type),
                   cm,
                   cn,
                   k,
@@ -212,17 +222,17 @@ class Blas {
                   detail::alignment_of(a) * 100 + detail::alignment_of(b) * 10 + std::min(detail::alignment_of(c), 9),
                   detail::alignment_of(bias) + 100 * detail::alignment_of(aux)};
     auto it = plans_.find(key);
-    if (it == plans_.end()) it = plans_.emplace(key, make_plan<T>(cm, cn, k, op, a, b, c, bias, aux)).first;
+    if (it == plans_.end()) it = plans_.emplace(key, make_plan<T, TC>(cm, cn, k, op, a, b, c, bias, aux)).first;
     Plan& plan = it->second;
     if (detail::uses_bias(op.epilogue)) detail::set(plan.desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
     if (detail::uses_aux(op.epilogue)) detail::set(plan.desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
     const float alpha = 1.0f;
     const float beta = op.accumulate ? 1.0f : 0.0f;
     // k == 0: cuBLASLt still scales C by beta (C = 0, or unchanged when accumulating).
-    LLMPAR_CHECK_CUBLAS(cublasLtMatmul(handle_.get(), plan.desc.get(), &alpha, b, plan.first.get(), a,
-                                       plan.second.get(), &beta, c, plan.out.get(), c, plan.out.get(), &plan.algo,
-                                       workspace_.get(), workspace_bytes_, stream),
-                        "GEMM M=", m, " N=", n, " K=", k, " epilogue ", detail::name_of(op.epilogue));
+    LLMPAR_CHECK_CUBLAS(
+        cublasLtMatmul(handle_.get(), plan.desc.get(), &alpha, b, plan.first.get(), a, plan.second.get(), &beta, c,
+                       plan.out.get(), c, plan.out.get(), &plan.algo, workspace_.get(), workspace_bytes_, stream),
+        "GEMM M=", m, " N=", n, " K=", k, " epilogue ", detail::name_of(op.epilogue));
   }
 
   std::size_t cached_plans() const { return plans_.size(); }
@@ -243,10 +253,11 @@ class Blas {
     void operator()(void* p) const noexcept { cudaFree(p); }
   };
 
-  template <class T>
-  Plan make_plan(std::int64_t cm, std::int64_t cn, std::int64_t k, GemmOp op, const T* a, const T* b, const T* c,
+  template <class T, class TC>
+  Plan make_plan(std::int64_t cm, std::int64_t cn, std::int64_t k, GemmOp op, const T* a, const T* b, const TC* c,
                  const T* bias, const T* aux) {
     constexpr cudaDataType_t type = detail::cuda_type<T>();
+    constexpr cudaDataType_t out_type = detail::cuda_type<TC>();
     const cublasComputeType_t compute =
         std::is_same_v<T, float> && fp32_ == Fp32Math::tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     Plan plan;
@@ -268,7 +279,7 @@ class Blas {
     // (k x cn) or (cn x k) transposed, output (cm x cn) with ld cm.
     plan.first = op.trans_b ? detail::make_layout(type, k, cm, k) : detail::make_layout(type, cm, k, cm);
     plan.second = op.trans_a ? detail::make_layout(type, cn, k, cn) : detail::make_layout(type, k, cn, k);
-    plan.out = detail::make_layout(type, cm, cn, cm);
+    plan.out = detail::make_layout(out_type, cm, cn, cm);
 
     cublasLtMatmulPreference_t preference = nullptr;
     LLMPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
@@ -288,11 +299,11 @@ class Blas {
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     LLMPAR_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_.get(), desc, plan.first.get(), plan.second.get(),
-                                                       plan.out.get(), plan.out.get(), preference, 1, &result,
-                                                       &found));
-    LLMPAR_CHECK(found > 0, "cuBLASLt has no algorithm for the ", name_of(dtype_of<T>()), " GEMM M=", cn, " N=", cm,
-                 " K=", k, " trans_a=", op.trans_a, " trans_b=", op.trans_b, " epilogue ",
-                 detail::name_of(op.epilogue), "; check the operands' alignment (16 bytes is best) and sizes");
+                                                       plan.out.get(), plan.out.get(), preference, 1, &result, &found));
+    LLMPAR_CHECK(found > 0, "cuBLASLt has no algorithm for the ", name_of(dtype_of<T>()), " GEMM (",
+                 name_of(dtype_of<TC>()), " output) M=", cn, " N=", cm, " K=", k, " trans_a=", op.trans_a,
+                 " trans_b=", op.trans_b, " epilogue ", detail::name_of(op.epilogue),
+                 "; check the operands' alignment (16 bytes is best) and sizes");
     plan.algo = result.algo;
     return plan;
   }
@@ -304,19 +315,25 @@ class Blas {
   std::map<Key, Plan> plans_;
 };
 
-// Dense tensor-core peak of a device in TFLOP/s for 16-bit inputs with fp32
-// accumulation, as NVIDIA's data sheets give it: the denominator of MFU. Known parts
-// only (A100 SXM/PCIe, H100/H200 SXM, H100 PCIe); any other device returns 0 and MFU is
-// not reported rather than guessed.
-inline double tensor_peak_tflops(int device) {
+// The data sheet's dense peak of a device in TFLOP/s for GEMMs of storage type `dtype`:
+// bf16/f16 on tensor cores with fp32 accumulation, fp32 on TF32 tensor cores when
+// `fp32` is Fp32Math::tf32 and on CUDA cores otherwise. The denominator of MFU, so it
+// follows the run's precision. Known parts only (A100 SXM/PCIe, H100/H200 SXM, H100
+// PCIe); any other device returns 0 and MFU is not reported rather than guessed.
+inline double datasheet_peak_tflops(int device, DType dtype, Fp32Math fp32 = Fp32Math::strict) {
   int major = 0, minor = 0, sms = 0;
   LLMPAR_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   LLMPAR_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   LLMPAR_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (major == 8 && minor == 0 && sms == 108) return 312.0;  // A100
-  if (major == 9 && minor == 0 && sms == 132) return 989.4;  // H100 SXM, H200
-  if (major == 9 && minor == 0 && sms == 114) return 756.0;  // H100 PCIe
-  return 0.0;
+  struct Part {
+    double half, tf32, fp32;  // dense bf16/f16, TF32, FP32
+  };
+  Part part{0.0, 0.0, 0.0};
+  if (major == 8 && minor == 0 && sms == 108) part = {312.0, 156.0, 19.5};  // A100
+  if (major == 9 && minor == 0 && sms == 132) part = {989.4, 494.7, 66.9};  // H100 SXM, H200
+  if (major == 9 && minor == 0 && sms == 114) part = {756.0, 378.0, 51.2};  // H100 PCIe
+  if (dtype == DType::bf16 || dtype == DType::f16) return part.half;
+  return fp32 == Fp32Math::tf32 ? part.tf32 : part.fp32;
 }
 
 }  // namespace llmpar::backend::cuda
