@@ -4,8 +4,9 @@
 // every repetition, the L2 cache flushed (a memset of twice its size) between
 // repetitions and outside the timed span, so every repetition reads from HBM as in a
 // training step. Counters: TFLOP/s or GB/s, and the fraction of the device's peak (the
-// data sheet's dense bf16 tensor-core rate; HBM bandwidth from the memory clock and bus
-// width the driver reports).
+// data sheet's dense rate for the kernel's arithmetic, datasheet_peak_tflops: bf16 on
+// tensor cores, TF32 for the f32 GEMM, fp32 CUDA cores for f32 attention; HBM bandwidth
+// from the memory clock and bus width the driver reports).
 //
 // GEMMs are compared with cuBLASLt's best: the same shape is run with every algorithm
 // its heuristic offers (up to 16), and `of_best` is the fastest of those over the time
@@ -38,11 +39,9 @@ using namespace llmpar::backend::cuda;
 
 struct Device {
   DeviceContext context{0};
-  double peak_tflops = 0.0;
   double hbm_gbps = 0.0;
   DeviceBuffer<std::byte> flush;
   Device() {
-    peak_tflops = tensor_peak_tflops(0);
     int khz = 0, bus_bits = 0, l2 = 0;
     LLMPAR_CHECK_CUDA(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, 0));
     LLMPAR_CHECK_CUDA(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0));
@@ -57,10 +56,17 @@ Device& device() {
   return d;
 }
 
+// The data sheet's dense peak of device 0 for GEMM-like work on T (0: unknown part).
+template <class T>
+double peak_tflops(Fp32Math fp32) {
+  return datasheet_peak_tflops(0, dtype_of<T>(), fp32);
+}
+
 // Times `launch` once per iteration with events, flushing L2 before each; returns the
-// mean milliseconds per launch.
-double time_kernel(benchmark::State& state, const std::function<void(cudaStream_t)>& launch, double flops,
-                   double bytes) {
+// mean milliseconds per launch. of_peak is reported against peak (TFLOP/s) when it is
+// known (> 0).
+double time_kernel(benchmark::State& state, const std::function<void(cudaStream_t)>& launch, double flops, double bytes,
+                   double peak = 0.0) {
   Device& d = device();
   const cudaStream_t stream = d.context.compute();
   launch(stream);  // warm-up: plan caches, first-touch
@@ -80,7 +86,7 @@ double time_kernel(benchmark::State& state, const std::function<void(cudaStream_
   const auto per_second = benchmark::Counter::kIsIterationInvariantRate;
   if (flops > 0) {
     state.counters["TFLOP/s"] = benchmark::Counter(flops * 1e-12, per_second);
-    if (d.peak_tflops > 0) state.counters["of_peak"] = benchmark::Counter(flops * 1e-12 / d.peak_tflops, per_second);
+    if (peak > 0) state.counters["of_peak"] = benchmark::Counter(flops * 1e-12 / peak, per_second);
   }
   if (bytes > 0) {
     state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, per_second);
@@ -109,11 +115,13 @@ void attention(benchmark::State& state, bool backward) {
   auto lse = filled<float>(static_cast<std::size_t>(B * NH * T_len), 0.0f);
   auto workspace = filled<float>(static_cast<std::size_t>(kernels::attention_backward_workspace(B, T_len, C, NH)), 0);
   const double forward_flops = 4.0 * B * NH * static_cast<double>(T_len) * T_len * hs / 2.0;
+  const double peak = peak_tflops<T>(Fp32Math::strict);  // 16-bit: mma.sync; f32: the SIMT path
   kernels::attention_forward(device().context.compute(), out.data(), lse.data(), qkv.data(), B, T_len, C, NH);
   if (!backward) {
     time_kernel(
-        state, [&](cudaStream_t s) { kernels::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T_len, C, NH); },
-        forward_flops, 0);
+        state,
+        [&](cudaStream_t s) { kernels::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T_len, C, NH); },
+        forward_flops, 0, peak);
   } else {
     time_kernel(
         state,
@@ -121,7 +129,7 @@ void attention(benchmark::State& state, bool backward) {
           kernels::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), workspace.data(),
                                       B, T_len, C, NH);
         },
-        2.5 * forward_flops, 0);
+        2.5 * forward_flops, 0, peak);
   }
 }
 
@@ -148,8 +156,8 @@ void layernorm_backward(benchmark::State& state) {
   auto dout = filled<T>(static_cast<std::size_t>(rows * C), 0.5f);
   auto dx = filled<T>(static_cast<std::size_t>(rows * C), 0.0f);
   auto w = filled<T>(static_cast<std::size_t>(C), 1.0f);
-  auto dw = filled<T>(static_cast<std::size_t>(C), 0.0f);
-  auto db = filled<T>(static_cast<std::size_t>(C), 0.0f);
+  auto dw = filled<float>(static_cast<std::size_t>(C), 0.0f);  // f32 main grads
+  auto db = filled<float>(static_cast<std::size_t>(C), 0.0f);
   auto mean = filled<float>(static_cast<std::size_t>(rows), 0.0f);
   auto rstd = filled<float>(static_cast<std::size_t>(rows), 1.0f);
   auto workspace = filled<float>(static_cast<std::size_t>(kernels::layernorm_backward_workspace(rows, C)), 0.0f);
@@ -162,9 +170,9 @@ void layernorm_backward(benchmark::State& state) {
       0, 3.0 * rows * C * sizeof(T) + 8.0 * rows);
 }
 
-// AdamW with fp32 master weights and bf16 parameters and gradients: per element it
-// reads the gradient twice (norm, update) and master, m, v, and writes master, m, v
-// and the bf16 copy.
+// AdamW as backend::cuda::AdamW runs it for a bf16 store: fp32 master weights, f32
+// main grads, bf16 parameters. Per element it reads the gradient twice (norm, update)
+// and master, m, v, and writes master, m, v and the bf16 copy.
 void adamw(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const std::size_t tensors = 64, per = n / tensors;
@@ -172,10 +180,10 @@ void adamw(benchmark::State& state) {
   auto m = filled<float>(n, 0.0f);
   auto v = filled<float>(n, 0.0f);
   auto param = filled<bf16>(n, 0.1f);
-  auto grad = filled<bf16>(n, 0.01f);
+  auto grad = filled<float>(n, 0.01f);
   auto norm_sq = filled<float>(1, 0.0f);
   DeviceBuffer<int> found_inf(1, device().context.compute());
-  std::vector<kernels::AdamWTensor<bf16, bf16>> list;
+  std::vector<kernels::AdamWTensor<float, bf16>> list;
   for (std::size_t t = 0; t < tensors; ++t) {
     const std::size_t o = t * per;
     list.push_back({.master = master.data() + o,
@@ -186,7 +194,8 @@ void adamw(benchmark::State& state) {
                     .n = static_cast<std::int64_t>(per),
                     .decay = t % 2 == 0});
   }
-  kernels::AdamWPlan<bf16, bf16> plan(device().context.compute(), std::span<const kernels::AdamWTensor<bf16, bf16>>(list));
+  kernels::AdamWPlan<float, bf16> plan(device().context.compute(),
+                                       std::span<const kernels::AdamWTensor<float, bf16>>(list));
   auto workspace = filled<float>(static_cast<std::size_t>(plan.workspace_floats()), 0.0f);
   int step = 0;
   const math::AdamWParams hp{.lr = 1e-4f, .weight_decay = 0.1f};
@@ -196,7 +205,7 @@ void adamw(benchmark::State& state) {
         plan.grad_norm_squared(s, norm_sq.data(), workspace.data());
         plan.step(s, hp, ++step, norm_sq.data(), 1.0f, 1.0f, found_inf.data());
       },
-      0, static_cast<double>(tensors * per) * (2 * 2 + 3 * 4 + 3 * 4 + 2));
+      0, static_cast<double>(tensors * per) * (2 * 4 + 3 * 4 + 3 * 4 + 2));
 }
 
 template <class T>
@@ -292,7 +301,7 @@ void gemm(benchmark::State& state) {
   const GemmOp op{.trans_a = false, .trans_b = true};
   const double ours_ms = time_kernel(
       state, [&](cudaStream_t s) { blas.gemm<T>(s, c.data(), a.data(), b.data(), nullptr, nullptr, M, N, K, op); },
-      2.0 * M * N * K, 0);
+      2.0 * M * N * K, 0, peak_tflops<T>(Fp32Math::tf32));
   const double best_ms = best_algorithm_ms<T>(M, N, K, a.data(), b.data(), c.data());
   state.counters["of_best"] = ours_ms > 0 ? best_ms / ours_ms : 0.0;
 }
@@ -308,10 +317,12 @@ int main(int argc, char** argv) {
   const auto attention_args = [](benchmark::internal::Benchmark* b) {
     b->Args({4, 4096, 128})->Args({4, 4096, 64})->Args({16, 1024, 64})->UseManualTime()->Unit(benchmark::kMillisecond);
   };
-  benchmark::RegisterBenchmark("attention_forward/bf16", [](benchmark::State& s) { attention<bf16>(s, false); })
-      ->Apply(attention_args);
-  benchmark::RegisterBenchmark("attention_backward/bf16", [](benchmark::State& s) { attention<bf16>(s, true); })
-      ->Apply(attention_args);
+  benchmark::RegisterBenchmark("attention_forward/bf16", [](benchmark::State& s) {
+    attention<bf16>(s, false);
+  })->Apply(attention_args);
+  benchmark::RegisterBenchmark("attention_backward/bf16", [](benchmark::State& s) {
+    attention<bf16>(s, true);
+  })->Apply(attention_args);
   benchmark::RegisterBenchmark("attention_forward/f32", [](benchmark::State& s) { attention<float>(s, false); })
       ->Args({4, 1024, 64})
       ->UseManualTime()

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <llmpar/backend/cpu/adamw.hpp>
 #include <llmpar/backend/cpu/attention.hpp>
+#include <llmpar/backend/cpu/convert.hpp>
 #include <llmpar/backend/cpu/cross_entropy.hpp>
 #include <llmpar/backend/cpu/gelu.hpp>
 #include <llmpar/backend/cpu/gemm.hpp>
@@ -38,6 +39,33 @@ struct GemmShape {
   cpu::GemmOp op;
 };
 
+// One GEMM in storage type T: C is T for the forward and input-gradient forms and f32
+// (main grads) for the accumulating weight-gradient form, as a training step runs them.
+template <class T>
+void gemm_case(benchmark::State& state, const GemmShape& s, double peak, cpu::GemmPath path) {
+  cpu::Context ctx(cpu::Context::Config{.bf16 = path});
+  const auto a32 = random_buffer(s.m * s.k, 1), b32 = random_buffer(s.k * s.n, 2);
+  Buffer<T> a(s.m * s.k), b(s.k * s.n), c(s.m * s.n);
+  Buffer<float> c32 = random_buffer(s.m * s.n, 3);
+  cpu::convert(a.data(), a32.data(), a.size());
+  cpu::convert(b.data(), b32.data(), b.size());
+  cpu::convert(c.data(), c32.data(), c.size());
+  for (auto _ : state) {
+    if (s.op.accumulate)
+      ctx.gemm<T, float>(c32.data(), a.data(), b.data(), nullptr, s.m, s.n, s.k, s.op);
+    else
+      ctx.gemm<T, T>(c.data(), a.data(), b.data(), nullptr, s.m, s.n, s.k, s.op);
+  }
+  const double flops = 2.0 * static_cast<double>(s.m * s.n * s.k);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_peak"] = benchmark::Counter(flops / (peak * 1e9), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(s.op.accumulate ? ctx.implementation<T, float>(s.m, s.n, s.k, s.op)
+                                 : ctx.implementation<T, T>(s.m, s.n, s.k, s.op));
+}
+
+// f32 and bf16 GEMMs of the step (of_peak: against the f32 peak measured at start-up,
+// so bf16's figure above 1 is its gain over f32), and bf16 on the upconvert path that
+// CPUs without bf16 kernels take.
 void register_gemms(double peak) {
   // M = B·T = 256 rows of a GPT-2 124M step; forward, input-gradient and weight-gradient forms.
   static constexpr GemmShape kShapes[] = {
@@ -54,16 +82,18 @@ void register_gemms(double peak) {
   };
   for (const GemmShape& s : kShapes) {
     benchmark::RegisterBenchmark(
-        (std::string("gemm/") + s.name).c_str(),
-        [s, peak](benchmark::State& state) {
-          cpu::Context ctx;
-          auto a = random_buffer(s.m * s.k, 1), b = random_buffer(s.k * s.n, 2), c = random_buffer(s.m * s.n, 3);
-          for (auto _ : state) ctx.sgemm(c.data(), a.data(), b.data(), nullptr, s.m, s.n, s.k, s.op);
-          const double flops = 2.0 * static_cast<double>(s.m * s.n * s.k);
-          state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-          state.counters["of_peak"] =
-              benchmark::Counter(flops / (peak * 1e9), benchmark::Counter::kIsIterationInvariantRate);
-        })
+        (std::string("gemm/f32/") + s.name).c_str(),
+        [s, peak](benchmark::State& state) { gemm_case<float>(state, s, peak, cpu::GemmPath::native); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(
+        (std::string("gemm/bf16/") + s.name).c_str(),
+        [s, peak](benchmark::State& state) { gemm_case<bf16>(state, s, peak, cpu::GemmPath::native); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(
+        (std::string("gemm/bf16_upconvert/") + s.name).c_str(),
+        [s, peak](benchmark::State& state) { gemm_case<bf16>(state, s, peak, cpu::GemmPath::upconvert); })
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

@@ -1,11 +1,13 @@
-// bench_train_step — one full training step of GPT-2 124M in fp32 on the CPU
-// (forward, backward, AdamW), at B=4, T=64 by default, and its parts; and the step of a
+// bench_train_step — one full training step of GPT-2 124M on the CPU (forward, backward,
+// AdamW), at B=4, T=64 by default, in fp32 and bf16 (BF16Mixed: bf16 weights and
+// activations, f32 main grads, f32 master weights), and its parts; and the step of a
 // small GPT split over tp = 1, 2, 4 tensor-parallel thread ranks (gpt_small/train_step_tp).
 //
 // MFU is reported as model FLOPs (6N + 6·L·C·T per token, the llm.c convention) over
-// the sgemm peak measured at the start of this same run, so the figure is relative to
-// what the machine's GEMM library can actually do. Compare with PyTorch through
-// benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
+// the GEMM peak of the step's own precision, measured at the start of this same run on
+// square products and the step's own GEMM shapes (backend/cpu/peak.hpp), so the figure
+// is relative to what the machine's GEMM library can actually do in that precision.
+// Compare with PyTorch through benchmarks/pytorch_step.py (./llmpar.sh bench runs both).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -15,24 +17,27 @@
 #include <llmpar/llmpar.hpp>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace llmpar;
 
 namespace {
 
+template <class T>
 struct StepFixture {
   backend::cpu::Context ctx;
   models::GPT2Config cfg;
   std::int64_t batch, seq;
-  std::unique_ptr<models::GPT2<float>> model;
-  std::unique_ptr<optim::AdamW<float>> opt;
+  std::unique_ptr<models::GPT2<T>> model;
+  std::unique_ptr<optim::AdamW<T>> opt;
   std::vector<std::int32_t> tokens, targets;
 
   StepFixture(const std::string& preset, std::int64_t b, std::int64_t s)
       : cfg(models::GPT2Config::preset(preset)), batch(b), seq(s) {
-    model = std::make_unique<models::GPT2<float>>(cfg, 1337);
-    opt = std::make_unique<optim::AdamW<float>>(model->parameter_store(), optim::AdamWConfig{});
+    model = std::make_unique<models::GPT2<T>>(cfg, 1337);
+    opt = std::make_unique<optim::AdamW<T>>(model->parameter_store(), optim::AdamWConfig{});
     const auto stream = rng::Stream::named(1, "bench tokens");
     for (std::int64_t i = 0; i <= b * s; ++i)
       tokens.push_back(static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % cfg.vocab));
@@ -61,12 +66,23 @@ double timed(Body&& body) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void register_all(double peak_gflops) {
+// The GEMM shapes of a GPT-2 step at `rows` rows: the peak measurement includes them.
+std::vector<backend::cpu::GemmShape> step_shapes(const models::GPT2Config& cfg, std::int64_t rows) {
+  std::vector<backend::cpu::GemmShape> shapes;
+  const std::int64_t C = cfg.dim;
+  for (const auto& [in, out] :
+       {std::pair{C, 3 * C}, std::pair{C, C}, std::pair{C, 4 * C}, std::pair{4 * C, C}, std::pair{C, cfg.padded_vocab}})
+    for (const auto& s : backend::cpu::linear_layer_shapes(rows, in, out)) shapes.push_back(s);
+  return shapes;
+}
+
+template <class T>
+void register_precision(const char* precision, double peak_gflops) {
   // The whole step (zero grads, forward, backward, clip and AdamW), and the same without
   // the optimizer to separate its share.
   for (const bool with_optimizer : {true, false}) {
     auto run = [peak_gflops, with_optimizer](benchmark::State& state) {
-      StepFixture f("gpt2-124m", state.range(0), state.range(1));
+      StepFixture<T> f("gpt2-124m", state.range(0), state.range(1));
       double seconds = 0.0;
       for (auto _ : state) {
         seconds += timed([&] {
@@ -78,7 +94,8 @@ void register_all(double peak_gflops) {
       }
       set_counters(state, seconds, f.flops_per_step(), static_cast<double>(f.batch * f.seq), peak_gflops);
     };
-    benchmark::RegisterBenchmark(with_optimizer ? "gpt2_124m/train_step" : "gpt2_124m/forward_backward", run)
+    benchmark::RegisterBenchmark(
+        (std::string("gpt2_124m/") + (with_optimizer ? "train_step/" : "forward_backward/") + precision).c_str(), run)
         ->Args({4, 64})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
@@ -87,13 +104,15 @@ void register_all(double peak_gflops) {
 
   // The optimizer alone: gradient norm, then AdamW over every parameter.
   auto adamw = [](benchmark::State& state) {
-    StepFixture f("gpt2-124m", state.range(0), state.range(1));
+    StepFixture<T> f("gpt2-124m", state.range(0), state.range(1));
     for (auto _ : state) f.opt->step(1e-4f);
-    // The norm reads the gradients; AdamW reads param, grad, m, v and writes param, m, v.
-    state.counters["GB/s"] = benchmark::Counter(8.0 * 4.0 * static_cast<double>(f.model->num_parameters()) * 1e-9,
-                                                benchmark::Counter::kIsIterationInvariantRate);
+    // The norm reads the f32 gradients; AdamW reads master, grad, m, v and writes master,
+    // m, v (and the 16-bit copy).
+    const double bytes =
+        (std::is_same_v<T, float> ? 8.0 * 4.0 : 8.0 * 4.0 + 2.0) * static_cast<double>(f.model->num_parameters());
+    state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   };
-  benchmark::RegisterBenchmark("gpt2_124m/optimizer", adamw)
+  benchmark::RegisterBenchmark((std::string("gpt2_124m/optimizer/") + precision).c_str(), adamw)
       ->Args({4, 64})
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime()
@@ -170,16 +189,23 @@ void register_tensor_parallel(double peak_gflops) {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
-  double peak = 0.0;
+  // The peaks of both precisions over the 124M step's own shapes (B=4, T=64: 256 rows).
+  const std::vector<backend::cpu::GemmShape> shapes = step_shapes(models::GPT2Config::preset("gpt2-124m"), 256);
+  double peak_f32 = 0.0, peak_bf16 = 0.0;
   {
     backend::cpu::Context ctx;
-    const backend::cpu::GemmPeak measured = backend::cpu::measure_gemm_peak<float>(ctx);
-    peak = measured.gflops;
-    std::printf("measured f32 GEMM peak: %s\n", measured.describe().c_str());
+    const backend::cpu::GemmPeak f32 = backend::cpu::measure_gemm_peak<float>(ctx, shapes);
+    const backend::cpu::GemmPeak b16 = backend::cpu::measure_gemm_peak<bf16>(ctx, shapes);
+    peak_f32 = f32.gflops;
+    peak_bf16 = b16.gflops;
+    std::printf("measured f32 GEMM peak: %s\nmeasured bf16 GEMM peak: %s\n", f32.describe().c_str(),
+                b16.describe().c_str());
+    benchmark::AddCustomContext("f32_gemm_peak", f32.describe());
+    benchmark::AddCustomContext("bf16_gemm_peak", b16.describe());
   }
-  benchmark::AddCustomContext("sgemm_peak_gflops", std::to_string(peak));
-  register_all(peak);
-  register_tensor_parallel(peak);
+  register_precision<float>("fp32", peak_f32);
+  register_precision<bf16>("bf16", peak_bf16);
+  register_tensor_parallel(peak_f32);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

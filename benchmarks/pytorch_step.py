@@ -1,12 +1,26 @@
 #!/usr/bin/env python3
-"""PyTorch reference for bench_train_step: one GPT-2 124M fp32 training step on the CPU.
+"""PyTorch reference for bench_train_step: one GPT-2 124M training step on the CPU.
 
 The same model as llmpar's gpt2-124m (learned positions, pre-LayerNorm, GELU-tanh,
 tied LM head, vocabulary padded to 50304), the same batch (B=4, T=64 by default) and
 AdamW, timed the same way (best and median wall time of full steps after warm-up).
-Run with Debian's python3-torch:  OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python3 pytorch_step.py
+
+Precisions (--precision, default both):
+  fp32  everything in float32.
+  bf16  the usual PyTorch CPU mixed precision: forward and loss run under
+        torch.autocast("cpu", dtype=torch.bfloat16); parameters, gradients and the
+        AdamW state stay float32 (backward runs outside the autocast region, as usual).
+
+Attention uses F.scaled_dot_product_attention(q, k, v, is_causal=True) when this torch
+has it (torch >= 2.0), since that is what a current-PyTorch user writes; on CPU it
+dispatches to a fused flash-attention kernel. --naive-attention (or an older torch)
+uses the explicit path instead: q @ k^T / sqrt(d), causal mask, softmax, @ v.
+
+Current PyTorch from PyPI in a virtualenv:  bash benchmarks/pytorch_venv.sh
+Run:  OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ~/.cache/llmpar/torch-venv/bin/python pytorch_step.py
 """
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -15,11 +29,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+
 
 class Block(nn.Module):
-    def __init__(self, c, h):
+    def __init__(self, c, h, naive_attention):
         super().__init__()
         self.h = h
+        self.naive_attention = naive_attention
         self.ln_1 = nn.LayerNorm(c)
         self.c_attn = nn.Linear(c, 3 * c)
         self.c_proj = nn.Linear(c, c)
@@ -31,20 +48,24 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.h)
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        if self.naive_attention:
+            mask = torch.ones(t, t, dtype=torch.bool).tril()
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.h)
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = att @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
         x = x + self.c_proj(y)
         return x + self.c_fc_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(self, layers=12, heads=12, dim=768, max_seq=1024, vocab=50304):
+    def __init__(self, layers=12, heads=12, dim=768, max_seq=1024, vocab=50304, naive_attention=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(max_seq, dim)
-        self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.h = nn.ModuleList(Block(dim, heads, naive_attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
 
     def forward(self, idx, targets):
@@ -56,34 +77,62 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+def cpu_capability():
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except AttributeError:  # torch < 2.1
+        return "n/a"
+
+
+def bench(precision, args):
     torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    model = GPT()
+    naive = args.naive_attention or not HAS_SDPA
+    model = GPT(naive_attention=naive)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     idx = torch.randint(0, 50257, (args.batch, args.seq + 1))
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    if precision == "bf16":
+        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
     times = []
-    for step in range(args.steps + 1):
+    for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with autocast():
+            loss = model(x, y)
         loss.backward()
         opt.step()
-        if step > 0:  # the first step allocates the optimizer state
+        if step >= args.warmup:  # the first step allocates the optimizer state
             times.append(time.perf_counter() - t0)
     flops = (6 * n + 6 * 12 * 768 * args.seq) * args.batch * args.seq
     best, median = min(times), statistics.median(times)
-    print(f"pytorch {torch.__version__} gpt2_124m/train_step B={args.batch} T={args.seq} threads={args.threads}: "
+    attention = "naive" if naive else "sdpa"
+    print(f"pytorch {torch.__version__} gpt2_124m/train_step {precision} B={args.batch} T={args.seq} "
+          f"threads={torch.get_num_threads()} cpu={cpu_capability()} attention={attention} "
+          f"steps={args.steps}+{args.warmup}warmup: "
           f"best {best * 1e3:.1f} ms, median {median * 1e3:.1f} ms, {flops / best * 1e-9:.1f} model GFLOP/s, "
-          f"{args.batch * args.seq / best:.0f} tokens/s ({n / 1e6:.2f}M parameters)")
+          f"{args.batch * args.seq / best:.0f} tokens/s ({n / 1e6:.2f}M parameters, loss {loss.item():.3f})",
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    ap.add_argument("--naive-attention", action="store_true",
+                    help="explicit q@k^T, mask, softmax, @v instead of F.scaled_dot_product_attention")
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1")
+    torch.set_num_threads(args.threads)
+    for precision in ("fp32", "bf16") if args.precision == "both" else (args.precision,):
+        bench(precision, args)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,21 @@ int cuda_device_count() { return backend::cuda::device_count(); }
 int run_cuda(const Options& o, comm::Comm& world) {
   int device = 0;
   LLMPAR_CHECK_CUDA(cudaGetDevice(&device));
+  const backend::cuda::Fp32Math fp32 = o.tf32 ? backend::cuda::Fp32Math::tf32 : backend::cuda::Fp32Math::strict;
+#if defined(LLMPAR_WITH_NCCL)
   comm::NcclComm* nccl = world.get<comm::NcclComm>();
   LLMPAR_CHECK(nccl != nullptr, "--backend cuda runs its ranks over NCCL, but this world is ", world.engine_name());
   // One communication stream (NCCL's), and NCCL's operations ordered after the compute
   // stream's work, which produces the gradients they reduce.
-  const backend::cuda::Fp32Math fp32 = o.tf32 ? backend::cuda::Fp32Math::tf32 : backend::cuda::Fp32Math::strict;
   backend::cuda::Context ctx(device, fp32, nccl->stream());
   nccl->set_compute_stream(ctx.stream());
+#else
+  // A build without NCCL: one GPU, a world of one rank (llmpar::init makes sure), so no
+  // collective ever touches device memory.
+  LLMPAR_CHECK(world.size() == 1, "--backend cuda without NCCL trains on one GPU, but the world has ", world.size(),
+               " ranks; build with NCCL and MPI (LLMPAR_NCCL=ON) for several GPUs");
+  backend::cuda::Context ctx(device, fp32);
+#endif
   // The MFU denominator: the data sheet's dense peak of each GPU in the run's precision
   // (bf16/f16 tensor cores; TF32 or CUDA cores for fp32), times the GPUs.
   return run_on<backend::Cuda>(o, world, ctx, [&](DType dtype, const models::GPT2Config&, std::int64_t, int) {

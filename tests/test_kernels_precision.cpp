@@ -419,8 +419,9 @@ void check_gemms(cpu::Context& ctx, const char* path) {
                            g.k, g.op);
     check_rounded(c16, want16, slack, std::string(format_name<T>()) + " GEMM, 16-bit output");
   }
-  MESSAGE(std::string(format_name<T>()) + " GEMM via " + path + ": " +
-          ctx.implementation<T, T>(256, 384, 128, kGemmCases[3].op));
+  const std::string how = std::string(format_name<T>()) + " GEMM via " + path + ": " +
+                          ctx.implementation<T, T>(256, 384, 128, kGemmCases[3].op);
+  MESSAGE(how);
 }
 
 }  // namespace

@@ -21,6 +21,21 @@
 //   - the plan and step() reject bad tensors and hyper-parameters with messages that
 //     name the tensor or field and the fix, before any CUDA call (checked before the
 //     no-device skip).
+// And the optimizer the trainer builds, backend::cuda::AdamW<bf16> over a
+// ParameterStore<bf16, memory::Device> of three ragged parameters, against the CPU's
+// optim::AdamW<bf16> over the same model on the host, fed the same f32 main grads:
+//   - after each of 3 steps (clipping active): the gradient norm within 1e-6 relative,
+//     the f32 master weights and both moments within f32 rounding (count_far's 1e-5
+//     relative + 1e-6 rms), the bf16 working copy the bf16 rounding of the device's
+//     master bit for bit and within 1 ulp of the CPU's copy;
+//   - an inf in one gradient: gradient_norm() reports finite = false on both backends,
+//     step() reports skipped and leaves the working copy, masters and moments bitwise
+//     unchanged and steps_taken() at 3; update() with that norm throws;
+//   - loss scaling: gradients times 1024 with inv_loss_scale 1/1024 give the unscaled
+//     run's norm and state bit for bit (a power of two scales every sum and product
+//     exactly), and the CPU optimizer's state within f32 rounding;
+//   - Backend::zero (backend::Cuda::zero, how zero_grad clears main grads) zeroes its n
+//     elements in the compute stream's order and nothing past them.
 // Exit codes: 0 pass, 1 failure, 77 no CUDA device (ctest reports that as skipped).
 #include <cmath>
 #include <cstdint>
@@ -32,14 +47,38 @@
 #include <utility>
 #include <vector>
 
+#include "gpu_test.hpp"
 #include "llmpar/backend/cpu/adamw.hpp"
 #include "llmpar/backend/cpu/reduce.hpp"
+#include "llmpar/backend/cuda/backend.hpp"
 #include "llmpar/backend/cuda/memory.hpp"
 #include "llmpar/core/bits.hpp"
 #include "llmpar/core/rng.hpp"
 #include "llmpar/kernels/adamw.cuh"
+#include "llmpar/nn/parameter.hpp"
+#include "llmpar/optim/adamw.hpp"
 
-#include "gpu_test.hpp"
+// The model of the cuda::AdamW checks, outside the anonymous namespace: nvcc flags a
+// member template of an internal-linkage class that only a concept check
+// (nn::HasParameters) instantiates as declared but never referenced.
+namespace llmpar::gpu_test::adamw {
+
+// Three parameters of ragged sizes: a decayed matrix over two chunks of the plan, a
+// bias and a gain that are not decayed.
+struct ThreeParameters {
+  nn::Parameter<bf16> weight{"weight", Shape{300, 257}, nn::Init::normal(0.5f), true};
+  nn::Parameter<bf16> bias{"bias", Shape{257}, nn::Init::normal(0.1f), false};
+  nn::Parameter<bf16> gain{"gain", Shape{7}, nn::Init::ones(), false};
+
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    visit(weight);
+    visit(bias);
+    visit(gain);
+  }
+};
+
+}  // namespace llmpar::gpu_test::adamw
 
 namespace {
 
@@ -386,6 +425,190 @@ void check_non_finite(cudaStream_t stream, float poison, const char* poison_name
                  "; next clean step " + (found_after == 0 && bad == 0 ? "matches cpu" : "WRONG"));
 }
 
+// ---------------------------------------------------------------------------------------
+// backend::cuda::AdamW<bf16> against optim::AdamW<bf16>.
+
+namespace nn = llmpar::nn;
+namespace optim = llmpar::optim;
+namespace cuda = llmpar::backend::cuda;
+
+using llmpar::gpu_test::adamw::ThreeParameters;
+
+void to_device(float* device, const std::vector<float>& host, cudaStream_t stream) {
+  LLMPAR_CHECK_CUDA(cudaMemcpyAsync(device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+}
+
+// The same model on both backends, each with its optimizer.
+class OptimizerPair {
+ public:
+  static constexpr std::uint64_t kSeed = 31;
+
+  OptimizerPair(cuda::Context& ctx, const optim::AdamWConfig& cfg) : ctx_(ctx) {
+    host_store_.bind(host_model_);
+    host_store_.initialize(kSeed);
+    device_store_.bind(device_model_);
+    device_store_.initialize(kSeed);
+    host_opt_.emplace(host_store_, cfg);
+    device_opt_.emplace(ctx, device_store_, cfg);
+  }
+
+  std::int64_t flat_size() const { return host_store_.flat_size(); }
+  optim::AdamW<bf16>& host() { return *host_opt_; }
+  cuda::AdamW<bf16>& device() { return *device_opt_; }
+
+  // The flat f32 main grads of step `seed`: scale * 0.01 * N(0, 1) per parameter element,
+  // padding 0; with `poisoned`, element 1000 of the weight is `poison` instead.
+  std::vector<float> gradients(std::uint64_t seed, float scale, float poison = 0.0f, bool poisoned = false) const {
+    std::vector<float> flat(static_cast<std::size_t>(flat_size()), 0.0f);
+    for (const nn::Parameter<bf16>* p : host_store_.parameters()) {
+      const std::int64_t offset = p->grad - host_store_.grads();
+      const auto random = llmpar::rng::Stream::named(seed, p->name);
+      for (std::int64_t i = 0; i < p->numel(); ++i)
+        flat[offset + i] = scale * static_cast<float>(0.01 * random.normal(static_cast<std::uint64_t>(i)));
+    }
+    if (poisoned) flat[1000] = poison;
+    return flat;
+  }
+
+  void set_gradients(const std::vector<float>& flat) {
+    std::copy(flat.begin(), flat.end(), host_store_.grads());
+    to_device(device_store_.grads(), flat, ctx_.stream());
+  }
+
+  // The device optimizer's state: working copy, masters, m, v.
+  struct DeviceState {
+    std::vector<bf16> values;
+    std::vector<float> master, m, v;
+    bool operator==(const DeviceState& o) const {
+      return gpu_test::same_bits(values, o.values) && gpu_test::same_bits(master, o.master) &&
+             gpu_test::same_bits(m, o.m) && gpu_test::same_bits(v, o.v);
+    }
+  };
+  DeviceState device_state() {
+    const cudaStream_t stream = ctx_.stream();
+    cuda::AdamW<bf16>& opt = *device_opt_;
+    return {copy_out(device_store_.values(), flat_size(), stream),
+            copy_out(opt.master_weights().data(), flat_size(), stream),
+            copy_out(opt.first_moment().data(), flat_size(), stream),
+            copy_out(opt.second_moment().data(), flat_size(), stream)};
+  }
+
+  // Elements where the device's state is farther from the CPU's than f32 rounding, or its
+  // working copy is not P(device master) bit for bit, or is more than 1 ulp from the
+  // CPU's working copy.
+  std::int64_t differences() {
+    const DeviceState d = device_state();
+    optim::AdamW<bf16>& h = *host_opt_;
+    const auto host_vector = [&](const llmpar::Buffer<float>& b) { return std::vector<float>(b.begin(), b.end()); };
+    std::int64_t bad = count_far(d.master, host_vector(h.master_weights()), "master");
+    bad += count_far(d.m, host_vector(h.first_moment()), "m");
+    bad += count_far(d.v, host_vector(h.second_moment()), "v");
+    for (std::int64_t i = 0; i < flat_size(); ++i) {
+      const bf16 own = llmpar::convert<bf16>(d.master[i]);
+      const bf16 cpu_value = host_store_.values()[i];
+      const bool exact = ordered(d.values[i]) == ordered(own);
+      const bool near = std::llabs(ordered(d.values[i]) - ordered(cpu_value)) <= 1;
+      const bool cpu_exact = ordered(cpu_value) == ordered(llmpar::convert<bf16>(h.master_weights()[i]));
+      if (!(exact && near && cpu_exact) && ++bad <= 3)
+        std::fprintf(stderr, "  value[%lld]: device %.9g, bf16(device master) %.9g, cpu %.9g\n",
+                     static_cast<long long>(i), to_f(d.values[i]), to_f(own), to_f(cpu_value));
+    }
+    return bad;
+  }
+
+ private:
+  cuda::Context& ctx_;
+  ThreeParameters host_model_, device_model_;
+  nn::ParameterStore<bf16> host_store_;
+  nn::ParameterStore<bf16, llmpar::memory::Device> device_store_;
+  std::optional<optim::AdamW<bf16>> host_opt_;
+  std::optional<cuda::AdamW<bf16>> device_opt_;
+};
+
+constexpr float kLr = 1e-3f;
+constexpr int kSteps = 3;
+
+// Three steps, then an inf gradient (skipped), on both backends; then the same three
+// steps with the gradients scaled by 1024 and unscaled by inv_loss_scale.
+void check_cuda_optimizer(cuda::Context& ctx) {
+  const optim::AdamWConfig cfg;  // grad_clip 1: the norms below (~3) are clipped
+  OptimizerPair pair(ctx, cfg);
+  std::vector<double> norms;
+  bool ok = true;
+  std::string detail;
+  for (int step = 1; step <= kSteps; ++step) {
+    pair.set_gradients(pair.gradients(static_cast<std::uint64_t>(step), 1.0f));
+    const optim::StepResult on_cpu = pair.host().step(kLr);
+    const optim::StepResult on_gpu = pair.device().step(kLr);
+    norms.push_back(on_gpu.grad_norm);
+    const bool norm_ok = std::fabs(on_gpu.grad_norm - on_cpu.grad_norm) <= 1e-6 * on_cpu.grad_norm;
+    const std::int64_t bad = pair.differences();
+    ok = ok && norm_ok && !on_cpu.skipped && !on_gpu.skipped && bad == 0;
+    detail += " step " + std::to_string(step) + ": norm " + std::to_string(on_gpu.grad_norm) +
+              (norm_ok ? "" : " (cpu " + std::to_string(on_cpu.grad_norm) + ")") + (on_gpu.skipped ? " SKIPPED" : "") +
+              ", " + std::to_string(bad) + " bad;";
+  }
+  ok = ok && pair.device().steps_taken() == kSteps && pair.host().steps_taken() == kSteps;
+  report(ok, "cuda::AdamW<bf16> vs optim::AdamW<bf16>, 3 parameters, clip active:" + detail);
+
+  // An inf gradient: reported, skipped, nothing changes.
+  const float inf = std::numeric_limits<float>::infinity();
+  pair.set_gradients(pair.gradients(4, 1.0f, inf, true));
+  const auto before = pair.device_state();
+  const optim::GradNorm cpu_norm = pair.host().gradient_norm();
+  const optim::GradNorm gpu_norm = pair.device().gradient_norm();
+  const optim::StepResult skipped = pair.device().step(kLr);
+  const optim::StepResult cpu_skipped = pair.host().step(kLr);
+  const bool unchanged = pair.device_state() == before;
+  const bool still = pair.device().steps_taken() == kSteps && pair.host().steps_taken() == kSteps;
+  report(!cpu_norm.finite && !gpu_norm.finite && skipped.skipped && cpu_skipped.skipped && unchanged && still &&
+             pair.differences() == 0,
+         std::string("cuda::AdamW<bf16> one inf gradient: gradient_norm finite=") +
+             (gpu_norm.finite ? "true" : "false") + " (cpu " + (cpu_norm.finite ? "true" : "false") + "), step " +
+             (skipped.skipped ? "skipped" : "TAKEN") + ", state " + (unchanged ? "bitwise unchanged" : "CHANGED") +
+             ", steps_taken " + std::to_string(pair.device().steps_taken()));
+  expect_error([&] { pair.device().update(kLr, gpu_norm); }, "cuda::AdamW::update with a non-finite gradient norm",
+               "cuda::AdamW::update after a non-finite norm");
+
+  // Loss scaling: 1024 G with inv_loss_scale 1/1024 is the unscaled run, bit for bit.
+  OptimizerPair scaled(ctx, cfg);
+  const float loss_scale = 1024.0f, inv_loss_scale = 1.0f / loss_scale;
+  bool norms_equal = true;
+  std::int64_t bad = 0;
+  for (int step = 1; step <= kSteps; ++step) {
+    scaled.set_gradients(scaled.gradients(static_cast<std::uint64_t>(step), loss_scale));
+    scaled.host().step(kLr, inv_loss_scale);
+    const optim::StepResult on_gpu = scaled.device().step(kLr, inv_loss_scale);
+    norms_equal = norms_equal && !on_gpu.skipped && on_gpu.grad_norm == norms[static_cast<std::size_t>(step - 1)];
+    bad += scaled.differences();
+  }
+  const bool same_as_unscaled = scaled.device_state() == pair.device_state();
+  report(norms_equal && same_as_unscaled && bad == 0,
+         std::string("cuda::AdamW<bf16> gradients x1024, inv_loss_scale 1/1024, 3 steps: norms ") +
+             (norms_equal ? "equal to" : "DIFFERENT from") + " the unscaled run's, state " +
+             (same_as_unscaled ? "bitwise equal to" : "DIFFERENT from") + " the unscaled run's, " +
+             std::to_string(bad) + " elements off the cpu");
+}
+
+// backend::Cuda::zero: n elements zeroed after the stream's earlier work (an upload
+// queued just before, not waited for), none past them.
+void check_backend_zero(cuda::Context& ctx) {
+  const cudaStream_t stream = ctx.stream();
+  const std::int64_t total = 5000, n = 4099;
+  std::vector<float> ones(static_cast<std::size_t>(total), 1.0f);
+  DeviceBuffer<float> buffer(static_cast<std::size_t>(total), stream);
+  LLMPAR_CHECK_CUDA(cudaMemcpyAsync(buffer.data(), ones.data(), buffer.bytes(), cudaMemcpyHostToDevice, stream));
+  llmpar::backend::Cuda::zero(ctx, buffer.data(), n);
+  llmpar::backend::Cuda::zero(ctx, buffer.data(), 0);  // nothing to do
+  const std::vector<float> got = copy_out(buffer.data(), total, stream);
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < total; ++i)
+    if (got[static_cast<std::size_t>(i)] != (i < n ? 0.0f : 1.0f)) ++bad;
+  report(bad == 0, "Backend::zero (cuda) of 4099 of 5000 floats on the compute stream: " + std::to_string(bad) +
+                       " elements wrong");
+}
+
 }  // namespace
 
 int main() {
@@ -412,5 +635,9 @@ int main() {
     check_non_finite<f16, f16>(stream, 1e6f, "f16-overflow (inf)");
     check_non_finite<f16, f16>(stream, nan, "NaN");
     LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+
+    llmpar::backend::cuda::Context ctx(0);
+    check_cuda_optimizer(ctx);
+    check_backend_zero(ctx);
   });
 }

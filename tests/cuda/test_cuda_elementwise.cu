@@ -9,12 +9,13 @@
 //   - add, add_inplace, bias_add, encoder_forward and convert round each element once,
 //     as the CPU does, so they must give the CPU's bits exactly.
 //   - bias_backward sums in a different grouping than the CPU kernel (row slices, then
-//     slices in order), so it matches to float rounding (1e-5 of the column's sum of
-//     magnitudes), and is bitwise identical run to run.
-//   - encoder_backward adds every position into its dwte and dwpe rows in the CPU
-//     kernel's order (positions ascending) with the CPU's rounding after each addition,
-//     so it must match backend/cpu/embedding.hpp BITWISE for float, bf16 and f16,
-//     including when all tokens are equal or drawn from a vocabulary of 5.
+//     slices in order), so its f32 dbias (the main grad, for every storage type) matches
+//     to float rounding (1e-5 of the column's sum of magnitudes), and is bitwise
+//     identical run to run.
+//   - encoder_backward adds every position into its f32 dwte and dwpe rows in the CPU
+//     kernel's order (positions ascending) with the CPU's f32 rounding after each
+//     addition, so it must match backend/cpu/embedding.hpp BITWISE for float, bf16 and
+//     f16 dout, including when all tokens are equal or drawn from a vocabulary of 5.
 //   - with a row slice (a vocabulary-parallel table of 64 rows in 4 slices of 16),
 //     encoder_forward and encoder_backward give the CPU's bits with and without the
 //     position table; backward leaves the other slices' rows of the table alone; and
@@ -35,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test.hpp"
 #include "llmpar/backend/cpu/bias.hpp"
 #include "llmpar/backend/cpu/elementwise.hpp"
 #include "llmpar/backend/cpu/embedding.hpp"
@@ -44,8 +46,6 @@
 #include "llmpar/core/rng.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/kernels/elementwise.cuh"
-
-#include "gpu_test.hpp"
 
 namespace {
 
@@ -172,8 +172,11 @@ void host_checks() {
                "encoder_backward_workspace_bytes: B = 3, T_len = -1", "encoder_backward_workspace_bytes with T < 0");
   // No position gradient (dwpe null) is valid: a vocabulary-parallel embedding has it on
   // one rank only. These fail on a later argument, so the null dwpe passed the checks.
-  expect_error([&] { kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, nullptr, 1, 4, 8, {16, 16}); },
-               "encoder_backward: workspace is nullptr", "encoder_backward without dwpe or workspace");
+  expect_error(
+      [&] {
+        kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, nullptr, 1, 4, 8, {16, 16});
+      },
+      "encoder_backward: workspace is nullptr", "encoder_backward without dwpe or workspace");
   expect_error([&] { kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, p, 1, 4, 65535 * 128 + 1); },
                "encoder_backward: C = 8388481 exceeds", "encoder_backward without dwpe, too many columns");
   // Empty work launches nothing and needs no pointer.
@@ -318,35 +321,33 @@ void check_bias_add(cudaStream_t stream) {
   }
 }
 
-// bias_backward: the CPU's float column sums, added to dbias and rounded once, within
-// 1e-5 of each column's sum of magnitudes (different grouping); bitwise run to run.
+// bias_backward: the CPU's float column sums added to the f32 dbias, within 1e-5 of each
+// column's sum of magnitudes (different grouping); bitwise run to run.
 template <class T>
 void check_bias_backward(cudaStream_t stream) {
   for (const std::int64_t rows : {1, 5, 1027}) {
     for (const std::int64_t n : {1, 7, 771}) {
       const std::vector<T> dout = random_vector<T>(61 + rows * n, rows * n, 1.0);
-      const std::vector<T> dbias0 = random_vector<T>(67 + n, n, 1.0);
-      DeviceBuffer<T> ddout(rows * n, stream), ddbias(n, stream);
+      const std::vector<float> dbias0 = random_vector<float>(67 + n, n, 1.0);  // f32 main grads
+      DeviceBuffer<T> ddout(rows * n, stream);
+      DeviceBuffer<float> ddbias(n, stream);
       DeviceBuffer<float> workspace(kernels::bias_backward_workspace(rows, n), stream);
       ddout.upload(dout);
       ddbias.upload(dbias0);
       kernels::bias_backward(stream, ddbias.data(), ddout.data(), workspace.data(), rows, n);
-      const std::vector<T> got = copy_out(ddbias.data(), n, stream);
+      const std::vector<float> got = copy_out(ddbias.data(), n, stream);
       ddbias.upload(dbias0);
       kernels::bias_backward(stream, ddbias.data(), ddout.data(), workspace.data(), rows, n);
       const bool deterministic = same_bits(copy_out(ddbias.data(), n, stream), got);
 
-      // Reference: cpu::bias_backward on the float values of dout into zeros.
-      std::vector<float> dout_f(rows * n), sums(n, 0.0f), magnitude(n, 0.0f);
-      for (std::int64_t i = 0; i < rows * n; ++i) dout_f[i] = to_f(dout[i]);
-      cpu::bias_backward(sums.data(), dout_f.data(), rows, n);
-      for (std::int64_t i = 0; i < rows * n; ++i) magnitude[i % n] += std::fabs(dout_f[i]);
+      // Reference: cpu::bias_backward on the same dout into the same f32 dbias.
+      std::vector<float> want = dbias0, magnitude(n, 0.0f);
+      cpu::bias_backward(want.data(), dout.data(), rows, n);
+      for (std::int64_t i = 0; i < rows * n; ++i) magnitude[i % n] += std::fabs(to_f(dout[i]));
       std::int64_t bad = 0;
       for (std::int64_t j = 0; j < n; ++j) {
-        const T want = llmpar::convert<T>(to_f(dbias0[j]) + sums[j]);
-        if (!close(got[j], want, 0.0f, 1e-5f * (magnitude[j] + std::fabs(to_f(dbias0[j])))) && ++bad <= 3)
-          std::fprintf(stderr, "  dbias[%lld]: device %.9g, cpu %.9g\n", static_cast<long long>(j), to_f(got[j]),
-                       to_f(want));
+        if (!close(got[j], want[j], 0.0f, 1e-5f * (magnitude[j] + std::fabs(dbias0[j]))) && ++bad <= 3)
+          std::fprintf(stderr, "  dbias[%lld]: device %.9g, cpu %.9g\n", static_cast<long long>(j), got[j], want[j]);
       }
       report(bad == 0 && deterministic, std::string("bias_backward ") + type_name<T>() +
                                             " rows=" + std::to_string(rows) + " n=" + std::to_string(n) + ": " +
@@ -391,7 +392,7 @@ void check_encoder_forward(cudaStream_t stream) {
   }
 }
 
-// encoder_backward: the CPU's bits (same order, same rounding), for repeated tokens too.
+// encoder_backward: the CPU's bits (same order, same f32 rounding), for repeated tokens too.
 template <class T>
 void check_encoder_backward(cudaStream_t stream) {
   enum class Tokens { all_equal, vocab_of_5, random };
@@ -404,16 +405,17 @@ void check_encoder_backward(cudaStream_t stream) {
                                  : pattern == Tokens::vocab_of_5 ? "vocab of 5"
                                                                  : "random";
       const std::vector<T> grad = random_vector<T>(97 + s.C, s.B * s.T * s.C, 1.0);
-      const std::vector<T> dwte0 = random_vector<T>(101 + s.C, s.V * s.C, 1.0);
-      const std::vector<T> dwpe0 = random_vector<T>(103 + s.C, s.T * s.C, 1.0);
+      const std::vector<float> dwte0 = random_vector<float>(101 + s.C, s.V * s.C, 1.0);  // f32 main grads
+      const std::vector<float> dwpe0 = random_vector<float>(103 + s.C, s.T * s.C, 1.0);
       DeviceBuffer<std::int32_t> dtokens(tokens.size(), stream);
-      DeviceBuffer<T> dgrad(grad.size(), stream), ddwte(dwte0.size(), stream), ddwpe(dwpe0.size(), stream);
+      DeviceBuffer<T> dgrad(grad.size(), stream);
+      DeviceBuffer<float> ddwte(dwte0.size(), stream), ddwpe(dwpe0.size(), stream);
       DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(s.B, s.T)),
                                         stream);
       dtokens.upload(tokens);
       dgrad.upload(grad);
 
-      std::vector<T> runs[2][2];  // [run][dwte, dwpe]
+      std::vector<float> runs[2][2];  // [run][dwte, dwpe]
       for (auto& run : runs) {
         ddwte.upload(dwte0);
         ddwpe.upload(dwpe0);
@@ -422,7 +424,7 @@ void check_encoder_backward(cudaStream_t stream) {
         run[0] = copy_out(ddwte.data(), s.V * s.C, stream);
         run[1] = copy_out(ddwpe.data(), s.T * s.C, stream);
       }
-      std::vector<T> dwte = dwte0, dwpe = dwpe0;
+      std::vector<float> dwte = dwte0, dwpe = dwpe0;
       cpu::encoder_backward(dwte.data(), dwpe.data(), grad.data(), tokens.data(), s.B, s.T, s.C);
       const std::int64_t bad =
           count_different_bits(runs[0][0], dwte, "dwte") + count_different_bits(runs[0][1], dwpe, "dwpe");
@@ -518,18 +520,20 @@ void check_encoder_forward_slices(cudaStream_t stream) {
   }
 }
 
-// encoder_backward with a row slice, with and without dwpe: dwte (the slice's rows) and
-// dwpe are the CPU's bits, and the other slices' rows of the table keep their values.
+// encoder_backward with a row slice, with and without dwpe: the f32 dwte (the slice's
+// rows) and dwpe are the CPU's bits, and the other slices' rows of the table keep their
+// values.
 // dwte and dwpe start from nonzero values, so accumulation (+=) is checked, not assignment.
 template <class T>
 void check_encoder_backward_slices(cudaStream_t stream) {
   for (const EncoderShape& s : kSliceShapes) {
     const std::vector<std::int32_t> tokens = slice_tokens(127 + s.C, s.B * s.T);
     const std::vector<T> grad = random_vector<T>(131 + s.C, s.B * s.T * s.C, 1.0);
-    const std::vector<T> dwte0 = random_vector<T>(137 + s.C, s.V * s.C, 1.0);  // (V, C), the whole table
-    const std::vector<T> dwpe0 = random_vector<T>(139 + s.C, s.T * s.C, 1.0);
+    const std::vector<float> dwte0 = random_vector<float>(137 + s.C, s.V * s.C, 1.0);  // (V, C), the whole table
+    const std::vector<float> dwpe0 = random_vector<float>(139 + s.C, s.T * s.C, 1.0);
     DeviceBuffer<std::int32_t> dtokens(tokens.size(), stream);
-    DeviceBuffer<T> dgrad(grad.size(), stream), ddwte(dwte0.size(), stream), ddwpe(dwpe0.size(), stream);
+    DeviceBuffer<T> dgrad(grad.size(), stream);
+    DeviceBuffer<float> ddwte(dwte0.size(), stream), ddwpe(dwpe0.size(), stream);
     DeviceBuffer<std::byte> workspace(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(s.B, s.T)),
                                       stream);
     dtokens.upload(tokens);
@@ -546,9 +550,9 @@ void check_encoder_backward_slices(cudaStream_t stream) {
         // that it failed to skip would write into another slice's rows, which must stay.
         kernels::encoder_backward(stream, ddwte.data() + offset, with_dwpe ? ddwpe.data() : nullptr, dgrad.data(),
                                   dtokens.data(), workspace.data(), s.B, s.T, s.C, slice);
-        const std::vector<T> got_wte = copy_out(ddwte.data(), s.V * s.C, stream);
-        const std::vector<T> got_wpe = copy_out(ddwpe.data(), s.T * s.C, stream);
-        std::vector<T> dwte = dwte0, dwpe = dwpe0;
+        const std::vector<float> got_wte = copy_out(ddwte.data(), s.V * s.C, stream);
+        const std::vector<float> got_wpe = copy_out(ddwpe.data(), s.T * s.C, stream);
+        std::vector<float> dwte = dwte0, dwpe = dwpe0;
         cpu::encoder_backward(dwte.data() + offset, with_dwpe ? dwpe.data() : nullptr, grad.data(), tokens.data(), s.B,
                               s.T, s.C, slice);
         bad += count_different_bits(got_wte, dwte, with_dwpe ? "dwte slice (dwpe)" : "dwte slice (no dwpe)") +
@@ -558,11 +562,11 @@ void check_encoder_backward_slices(cudaStream_t stream) {
           if (!slice.holds(i / s.C) && ordered(got_wte[i]) != ordered(dwte0[i])) ++touched;
       }
     }
-    report(bad == 0 && touched == 0,
-           std::string("encoder_backward ") + type_name<T>() + " B=" + std::to_string(s.B) + " T=" +
-               std::to_string(s.T) + " C=" + std::to_string(s.C) +
-               " in 4 slices of 16 rows, with and without dwpe: bitwise " + (bad == 0 ? "equal to cpu" : "DIFFERENT") +
-               ", other slices' rows " + (touched == 0 ? "untouched" : std::to_string(touched) + " elements CHANGED"));
+    report(bad == 0 && touched == 0, std::string("encoder_backward ") + type_name<T>() + " B=" + std::to_string(s.B) +
+                                         " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+                                         " in 4 slices of 16 rows, with and without dwpe: bitwise " +
+                                         (bad == 0 ? "equal to cpu" : "DIFFERENT") + ", other slices' rows " +
+                                         (touched == 0 ? "untouched" : std::to_string(touched) + " elements CHANGED"));
   }
 }
 

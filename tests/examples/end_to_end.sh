@@ -7,17 +7,25 @@
 #   shards        prepare_data turns text into shards that train_gpt trains on
 #   missing-data  a glob that matches nothing names the pattern and how to make shards
 #   corrupt-shard a text file passed as a shard names the file and the wrong magic
-#   bad-config    a dim that heads does not divide names both values
+#   bad-config    a dim that heads does not divide names both values; every option is
+#                 checked before the first step (a shard-trained model that cannot be
+#                 sampled as bytes, a warmup longer than the run, ...): no step runs
+#   mfu           the default run (shortened) with its measured MFU peak: the peak is the
+#                 run's precision's, and no step's MFU exceeds 100%, in fp32 and bf16
+#   precision     gpt2-tiny for 300 steps in fp32, bf16 and fp16: the final validation
+#                 losses of bf16 and fp16 are within 2% of fp32's, and fp16's loss scale
+#                 is in the metrics
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
 #                 losses step by step (replicas average gradients); so do --ranks 2 --tp 2
 #                 --batch 8 (each block split over 2 ranks) and the same with --sp
 #                 (sequence parallel); bad --ranks, --tp and --sp are named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
-#                 to 1e-4 relative (fp32 on both; different kernels sum in different
-#                 orders); on a machine with 2 GPUs, also mpirun -np 2 --tp 2 --sp
-#                 (NCCL). Exits 77 (skipped) after checking the no-device error where
-#                 there is no GPU.
+#                 to 1e-4 relative in fp32 (different kernels sum in different orders),
+#                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
+#                 precision); on a machine with 2 GPUs, also mpirun -np 2 --tp 2 --sp
+#                 (NCCL, fp32). Exits 77 (skipped) after checking the no-device error
+#                 where there is no GPU.
 set -euo pipefail
 bin="$1" work="$2" case="$3"
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
@@ -62,6 +70,50 @@ case "$case" in
     ;;
   bad-config)
     expect_error "dim 100 is not divisible by heads 12" "$bin/train_gpt" --heads 12 --dim 100
+    # Options that can only fail late must fail before the first step.
+    for i in $(seq 1 200); do echo "Line $i of a small corpus, with words to learn and bytes to predict."; done >text.txt
+    "$bin/prepare_data" --out data/small text.txt
+    no_step() {  # no_step PATTERN ARGS...: fails with PATTERN before training anything
+      local out
+      out="$(expect_error "$@")"
+      echo "$out"
+      if grep -q '^step ' <<<"$out"; then fail "'${*:2}' ran a step before failing"; fi
+    }
+    no_step "sampling decodes with the byte tokenizer, but --data trains a vocabulary of 512" \
+      "$bin/train_gpt" --data 'data/small_train*.bin' --vocab 512 --steps 3
+    no_step "--warmup 30 must be in [0, --steps 10]" "$bin/train_gpt" --steps 10 --warmup 30
+    no_step "--eval-batches 0; validation needs at least 1 batch" "$bin/train_gpt" --eval-batches 0
+    no_step "--tf32 is a CUDA option" "$bin/train_gpt" --tf32
+    no_step "cannot derive validation shards from --data 'data/small*.bin'" "$bin/train_gpt" --data 'data/small*.bin'
+    no_step "--seq 30 is not divisible by --tp 4" "$bin/train_gpt" --ranks 4 --tp 4 --sp --seq 30
+    expect_error "--precision: fp8 not in {fp32,bf16,fp16}" "$bin/train_gpt" --precision fp8
+    ;;
+  mfu)
+    for precision in fp32 bf16; do
+      "$bin/train_gpt" --steps 30 --eval-every 0 --sample-tokens 0 --precision "$precision" \
+        --metrics "mfu_$precision.jsonl" | tee "mfu_$precision.txt"
+      want=$([[ "$precision" == fp32 ]] && echo f32 || echo bf16)
+      grep -q "^MFU peak: .* GFLOP/s: best $want GEMM of" "mfu_$precision.txt" ||
+        fail "the $precision run's MFU peak is not a measured $want GEMM peak"
+      grep -o '"mfu":[^,}]*' "mfu_$precision.jsonl" | cut -d: -f2 | awk -v p="$precision" '
+        { n++; if ($1 > max) max = $1; if ($1 <= 0) bad = 1 }
+        END { printf "%s: %d steps, highest MFU %.1f%%\n", p, n, 100 * max; exit !(n == 30 && max <= 1.0 && !bad) }' ||
+        fail "a $precision step reported MFU above 100% (or none)"
+    done
+    ;;
+  precision)
+    for precision in fp32 bf16 fp16; do
+      "$bin/train_gpt" --steps 300 --eval-every 300 --eval-batches 16 --sample-tokens 0 --peak-gflops 50 \
+        --precision "$precision" --metrics "$precision.jsonl" | grep -v '^step .*/300 ' | tee "$precision.txt"
+    done
+    val() { grep 'val loss' "$1.txt" | tail -1 | awk '{print $NF}'; }
+    for precision in bf16 fp16; do
+      awk -v a="$(val fp32)" -v b="$(val "$precision")" -v p="$precision" 'BEGIN {
+          d = (b - a) / a; printf "final val loss: fp32 %s, %s %s (%+.2f%%)\n", a, p, b, 100 * d
+          if (d < 0) d = -d; exit !(d <= 0.02) }' || fail "$precision's final validation loss is not within 2% of fp32's"
+    done
+    grep -q '"loss_scale":65536.0' fp16.jsonl || fail "fp16.jsonl does not show the loss scale"
+    grep -q '"loss_scale":1.0[,}]' bf16.jsonl || fail "bf16.jsonl does not show its loss scale of 1"
     ;;
   ranks | mpi)
     common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 0 --peak-gflops 50 --no-shuffle)
@@ -123,24 +175,44 @@ case "$case" in
     grep -q 'cuda backend' gpu.txt || fail "train_gpt --backend cuda did not say it trains on the cuda backend"
     "$bin/train_gpt" "${common[@]}" --metrics cpu.jsonl | tee cpu.txt
     losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
-    [[ $(losses gpu.jsonl | wc -l) == 5 ]] || fail "gpu.jsonl lacks 5 step losses"
-    paste <(losses cpu.jsonl) <(losses gpu.jsonl) | awk '{
-        d = $1 - $2; if (d < 0) d = -d
-        if (d > 1e-4 * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (cuda)"; bad = 1 }
-      } END { exit bad }' || fail "the CUDA backend did not reproduce the CPU backend's losses"
+    # same_losses CPU GPU RTOL LABEL: both runs logged 5 step losses, equal to RTOL relative.
+    same_losses() {
+      [[ $(losses "$1" | wc -l) == 5 && $(losses "$2" | wc -l) == 5 ]] || fail "$1 or $2 lacks 5 step losses"
+      paste <(losses "$1") <(losses "$2") | awk -v rtol="$3" -v label="$4" '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > rtol * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (" label ")"; bad = 1 }
+        } END { exit bad }'
+    }
+    same_losses cpu.jsonl gpu.jsonl 1e-4 cuda || fail "the CUDA backend did not reproduce the CPU backend's losses"
+    # Mixed precision, each against the CPU backend in the same precision. Both store the
+    # same format (the same bf16/fp16 weights and activations, f32 main grads and master
+    # weights), but their GEMMs and reductions sum in different orders, so an activation
+    # rounded to 16 bits differs in its last bit here and there, and the differences grow
+    # over the steps as they feed the next layer and the next update. Hence tolerances
+    # set by the format's precision, not fp32's: bf16 keeps 8 significant bits (unit
+    # roundoff 2^-8 = 3.9e-3), fp16 11 (2^-11 = 4.9e-4); 2e-2 and 5e-3 relative per step
+    # are about 5 and 10 of those roundings, over 5 steps.
+    for precision in bf16 fp16; do
+      if [[ "$precision" == bf16 ]]; then rtol=2e-2; else rtol=5e-3; fi
+      "$bin/train_gpt" --backend cuda "${common[@]}" --precision "$precision" --metrics "gpu_$precision.jsonl" |
+        tee "gpu_$precision.txt"
+      "$bin/train_gpt" "${common[@]}" --precision "$precision" --metrics "cpu_$precision.jsonl" |
+        tee "cpu_$precision.txt"
+      same_losses "cpu_$precision.jsonl" "gpu_$precision.jsonl" "$rtol" "cuda, $precision" ||
+        fail "the CUDA backend in $precision did not reproduce the CPU backend's $precision losses to $rtol"
+    done
     # Tensor and sequence parallelism over 2 GPUs (NCCL), where the machine has them.
+    # (MPIEXEC is set where the build has NCCL; without it the CUDA backend runs one GPU.)
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    if (( gpus >= 2 )); then
+    if (( gpus >= 2 )) && [[ -n "${MPIEXEC:-}" ]]; then
       read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
       "${launcher[@]}" -np 2 "$bin/train_gpt" --backend cuda --tp 2 --sp "${common[@]}" --metrics gpu_tp.jsonl |
         tee gpu_tp.txt
       grep -q 'tp 2 sp x dp 1' gpu_tp.txt || fail "train_gpt --backend cuda --tp 2 --sp did not split over tp 2"
-      paste <(losses cpu.jsonl) <(losses gpu_tp.jsonl) | awk '{
-          d = $1 - $2; if (d < 0) d = -d
-          if (d > 1e-4 * $1) { print "step " NR ": loss " $1 " (cpu) vs " $2 " (cuda, tp 2, sp)"; bad = 1 }
-        } END { exit bad }' || fail "tp 2 with sequence parallelism on 2 GPUs did not reproduce the CPU's losses"
+      same_losses cpu.jsonl gpu_tp.jsonl 1e-4 "cuda, tp 2, sp" ||
+        fail "tp 2 with sequence parallelism on 2 GPUs did not reproduce the CPU's losses"
     else
-      echo "tensor parallelism on CUDA not checked: $gpus GPU(s), it needs 2"
+      echo "tensor parallelism on CUDA not checked: $gpus GPU(s); it needs 2 and a build with NCCL (MPIEXEC set)"
     fi
     ;;
   *) fail "unknown case '$case'" ;;

@@ -13,7 +13,8 @@
 //   over MPI; `run` calls the body once.
 // * With the CUDA backend (InitOptions::device = Device::cuda), NCCL carries the
 //   collectives on device buffers, one process per GPU, bootstrapped over MPI (a
-//   process started without mpirun is a world of one).
+//   process started without mpirun is a world of one). A build without NCCL runs the
+//   CUDA backend on one GPU, a world of one rank that needs no MPI.
 //
 // Thread ranks cannot share the rest of main() the way processes do, which is why the
 // per-rank part of a trainer is a body passed to run(): the same code then runs on
@@ -25,6 +26,7 @@
 // its own fast path).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -83,8 +85,8 @@ class Comm : public Collectives<Comm> {
   };
 
   template <class Engine>
-    requires(!std::is_same_v<std::remove_cvref_t<Engine>, Comm>)
-  explicit Comm(Engine&& engine) : impl_(std::forward<Engine>(engine)) {}
+  requires(!std::is_same_v<std::remove_cvref_t<Engine>, Comm>) explicit Comm(Engine&& engine)
+      : impl_(std::forward<Engine>(engine)) {}
 
   int rank() const {
     return std::visit([](const auto& c) { return c.rank(); }, impl_);
@@ -221,6 +223,20 @@ inline std::optional<std::string> take_flag(int& argc, char** argv, std::string_
   return std::nullopt;
 }
 
+// The number of processes an MPI launcher started, from the variables it sets (Open
+// MPI, hydra/PMI, MVAPICH, Slurm with an MPI plugin); 1 when none is set. Needs no MPI.
+inline long launcher_world_size() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return std::max(1L, std::strtol(value, nullptr, 10));
+  }
+  const char* mpi_type = std::getenv("SLURM_MPI_TYPE");
+  const char* tasks = std::getenv("SLURM_NTASKS");
+  if (mpi_type != nullptr && std::string_view(mpi_type) != "none" && tasks != nullptr && *tasks != '\0')
+    return std::max(1L, std::strtol(tasks, nullptr, 10));
+  return 1;
+}
+
 inline long parse_positive(std::string_view flag, const std::string& value) {
   char* end = nullptr;
   const long v = std::strtol(value.c_str(), &end, 10);
@@ -246,16 +262,12 @@ inline Launch init(int& argc, char** argv, InitOptions options = {}) {
   if (verify) options.verify = true;
   LLMPAR_CHECK(options.ranks >= 1, "ranks = ", options.ranks, " is not a number of ranks; use 1 or more");
 
-#if defined(LLMPAR_WITH_MPI)
   const bool cuda = options.device == Device::cuda;
   LLMPAR_CHECK(!cuda || options.ranks == 1, "--ranks ", options.ranks,
                " asks for thread ranks, but the CUDA backend runs one process per GPU: start it with mpirun -np ",
                options.ranks, " ... and without --ranks");
+#if defined(LLMPAR_WITH_NCCL)
   if (comm::launched_by_mpi() || cuda) {
-#if !defined(LLMPAR_WITH_NCCL)
-    LLMPAR_CHECK(!cuda, "the CUDA backend communicates through NCCL, and this build has none; build with the CUDA "
-                        "toolkit's NCCL and MPI (LLMPAR_NCCL=ON)");
-#endif
     launch.mpi_ = std::make_shared<comm::MpiEnvironment>(argc, argv);
     launch.engine_ = cuda ? Engine::nccl : Engine::mpi;
     int size = 1;
@@ -268,8 +280,25 @@ inline Launch init(int& argc, char** argv, InitOptions options = {}) {
     return launch;
   }
 #else
-  LLMPAR_CHECK(options.device == Device::cpu, "the CUDA backend communicates through NCCL, bootstrapped over MPI, "
-                                              "and this build has no MPI; install libopenmpi-dev and rebuild");
+  // Without NCCL the CUDA backend has no collectives on device memory: it trains on one
+  // GPU, as a world of one rank (no MPI needed).
+  LLMPAR_CHECK(!cuda || detail::launcher_world_size() <= 1,
+               "the CUDA backend communicates through NCCL and this build has none, so it trains on one GPU; ",
+               "build with NCCL and MPI (LLMPAR_NCCL=ON) to run it under mpirun -np ", detail::launcher_world_size());
+#if defined(LLMPAR_WITH_MPI)
+  if (comm::launched_by_mpi() && !cuda) {
+    launch.mpi_ = std::make_shared<comm::MpiEnvironment>(argc, argv);
+    launch.engine_ = Engine::mpi;
+    int size = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    LLMPAR_CHECK(!ranks || options.ranks == 1, "--ranks ", options.ranks,
+                 " asks for thread ranks, but this program was started by an MPI launcher with ", size, " process",
+                 size > 1 ? "es" : "", ": start it with mpirun -np ", size * options.ranks, " ... and without --ranks");
+    launch.world_size_ = size;
+    launch.options_ = options;
+    return launch;
+  }
+#endif
 #endif
   launch.engine_ = Engine::thread;
   launch.world_size_ = options.ranks;

@@ -166,6 +166,9 @@ class AdamW {
   int steps_taken() const { return step_; }
   const optim::AdamWConfig& config() const { return cfg_; }
   std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
+  // The optimizer's state, laid out like the store (as optim::AdamW exposes its own).
+  Buffer<float, memory::Device>& first_moment() { return m_; }
+  Buffer<float, memory::Device>& second_moment() { return v_; }
   // The f32 master weights of a 16-bit store (empty for a float store).
   Buffer<float, memory::Device>& master_weights() { return master_; }
 

@@ -83,7 +83,8 @@ class Event {
 
   Event() = default;
   explicit Event(Timing timing) {
-    LLMPAR_CHECK_CUDA(cudaEventCreateWithFlags(&event_, timing == Timing::on ? cudaEventDefault : cudaEventDisableTiming));
+    LLMPAR_CHECK_CUDA(
+        cudaEventCreateWithFlags(&event_, timing == Timing::on ? cudaEventDefault : cudaEventDisableTiming));
   }
   Event(Event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
   Event& operator=(Event&& other) noexcept {
@@ -132,13 +133,11 @@ class DeviceBuffer {
     LLMPAR_CHECK(count <= std::numeric_limits<std::size_t>::max() / sizeof(T), "a device buffer of ", count,
                  " elements of ", sizeof(T), " bytes overflows size_t");
     if (count > 0)
-      LLMPAR_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&data_), count * sizeof(T), stream),
-                        "allocating ", count * sizeof(T), " bytes; lower the batch size or the sequence length");
+      LLMPAR_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&data_), count * sizeof(T), stream), "allocating ",
+                        count * sizeof(T), " bytes; lower the batch size or the sequence length");
   }
   DeviceBuffer(DeviceBuffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)),
-        count_(std::exchange(other.count_, 0)),
-        stream_(other.stream_) {}
+      : data_(std::exchange(other.data_, nullptr)), count_(std::exchange(other.count_, 0)), stream_(other.stream_) {}
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
     if (this != &other) {
       reset();
@@ -201,10 +200,16 @@ struct Device {
     LLMPAR_CHECK_CUDA(cudaMemset(p, 0, bytes));
     LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
   }
+  // Set-up copies, fenced like zero(): cudaMemcpy runs on the legacy default stream,
+  // which does not wait for the (non-blocking) compute streams, and a copy from pageable
+  // host memory may return before its DMA has landed.
   static void copy_from_host(void* dst, const void* src, std::size_t bytes) {
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
     LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
   }
   static void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
     LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
   static constexpr bool kHostAccessible = false;
@@ -221,8 +226,9 @@ class DeviceContext {
   explicit DeviceContext(int device, cudaStream_t adopt_communication = nullptr)
       : device_(device), adopted_communication_(adopt_communication) {
     const int count = device_count();
-    LLMPAR_CHECK(count > 0, "CUDA device ", device, " was asked for, but this process sees no CUDA device; "
-                            "check the driver and CUDA_VISIBLE_DEVICES, or train on the CPU backend");
+    LLMPAR_CHECK(count > 0, "CUDA device ", device,
+                 " was asked for, but this process sees no CUDA device; "
+                 "check the driver and CUDA_VISIBLE_DEVICES, or train on the CPU backend");
     LLMPAR_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist: this process sees ", count,
                  " device", count == 1 ? "" : "s", "; use one of 0..", count - 1);
     LLMPAR_CHECK_CUDA(cudaSetDevice(device));
