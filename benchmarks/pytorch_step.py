@@ -67,6 +67,23 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(max_seq, dim)
         self.h = nn.ModuleList(Block(dim, heads, naive_attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
+        # GPT-2's initialisation, as llmpar's model has it: N(0, 0.02) weights (the
+        # projections into the residual stream scaled by 1/sqrt(2L)), N(0, 0.01)
+        # positions, zero biases. PyTorch's defaults (N(0, 1) embeddings, tied to the
+        # head) give logits in the tens and a loss near 67, whose softmax gradients are
+        # largely subnormal floats: that measures the CPU's subnormal arithmetic, not
+        # the training step.
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln_" in name:
+                nn.init.ones_(p)
+            elif name == "wpe.weight":
+                nn.init.normal_(p, std=0.01)
+            elif name.endswith("c_proj.weight") or name.endswith("c_fc_proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            else:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets):
         t = idx.shape[1]

@@ -14,20 +14,24 @@
 // f32, and every path below sums them in f32.
 //
 // Paths, chosen once per (types, shape, transposes, accumulate, bias) and cached:
-//   native     oneDNN's matmul in the storage types (f32: its sgemm; bf16: AMX tiles or
-//              AVX512-BF16 dot products where the CPU has them, oneDNN's AVX-512
-//              emulation where it has only AVX-512).
+//   native     oneDNN's matmul in the storage types (f32: its sgemm; bf16: AMX tiles).
 //   upconvert  A, B (and bias, and C when it is 16-bit) converted to f32 scratch, the f32
-//              matmul, C converted back. Used for bf16 where oneDNN has only its
-//              reference loop (AVX2-only CPUs such as AMD Zen 1/2: the reference is
-//              hundreds of times slower than this), and always for f16: oneDNN 2.6 has no
-//              fast f16 CPU matmul, and some fp16-ISA kernels accumulate in f16, which
-//              would break the f32-accumulation contract. Slower than native (three
-//              extra passes over memory, and f32 arithmetic), but exact to the same
-//              contract and correct on every x86 CPU.
-// Context::Config can force upconvert for bf16 (the tests compare the two paths on a
-// machine that has both); the path and oneDNN's implementation name of every cached
-// primitive can be read back (implementation()).
+//              matmul, C converted back: the same products (exact in f32) summed in f32.
+// Which one bf16 takes (Context::Config::bf16, default_bf16_path()):
+//  - native where the CPU has AMX: its tile multiply runs bf16 at several times f32's
+//    rate, far more than the conversions would cost;
+//  - upconvert everywhere else. Measured on a Sapphire Rapids without AMX (AVX512-BF16
+//    only; docs/cpu-gemm.md), oneDNN 2.6's bf16 kernels ran the GPT-2 124M step's GEMMs
+//    at 130-150 GFLOP/s against 150-250 for its f32 kernels, so even with three extra
+//    passes over memory the upconvert path was faster on 9 of its 10 shapes; on
+//    AVX2-only CPUs (AMD Zen 1/2) oneDNN has only a reference loop for bf16, hundreds
+//    of times slower. Being decided by the ISA, not by timing, the choice (and with it
+//    the summation order) is the same on every run.
+//  - f16 always upconverts on the CPU: oneDNN 2.6 has no fast f16 CPU matmul, and some
+//    fp16-ISA kernels accumulate in f16, which would break the f32-accumulation contract.
+// A native bf16 primitive that oneDNN can only give as its reference loop falls back to
+// upconvert too. The path and oneDNN's implementation name of every cached primitive
+// can be read back (implementation()); the tests run both paths on the same machine.
 //
 // Creating a oneDNN primitive costs far more than running a small one, so the Context
 // caches one primitive per key and only wraps the caller's pointers on each call. The
@@ -67,6 +71,15 @@ struct GemmOp {
 // How a 16-bit GEMM runs (see the file's note).
 enum class GemmPath : std::uint8_t { native, upconvert };
 
+// Whether oneDNN runs AMX (bf16 tile multiplies) on this CPU.
+inline bool cpu_has_amx() {
+  constexpr unsigned kAmx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & kAmx) == kAmx;
+}
+
+// The bf16 path of this CPU: native with AMX, upconvert without (see the file's note).
+inline GemmPath default_bf16_path() { return cpu_has_amx() ? GemmPath::native : GemmPath::upconvert; }
+
 namespace detail {
 
 template <class T>
@@ -89,9 +102,9 @@ constexpr dnnl::memory::data_type dnnl_type() {
 class Context {
  public:
   struct Config {
-    // bf16 GEMMs: native where oneDNN has a real kernel for this CPU (the default), or
-    // always upconverted to f32.
-    GemmPath bf16 = GemmPath::native;
+    // bf16 GEMMs: on oneDNN's bf16 kernels (native) or on its f32 kernels after widening
+    // the operands (upconvert); by default, native where the CPU has AMX.
+    GemmPath bf16 = default_bf16_path();
   };
 
   Context() : Context(Config{}) {}
