@@ -255,7 +255,9 @@ cmd_gpu_bundle() {
   command -v apt-get >/dev/null 2>&1 || die "gpu-bundle downloads Debian packages: run it on Debian 12 (apt-get)"
   local bundle="$root/.gpu-bundle"
   mkdir -p "$bundle"
-  (cd "$bundle" && apt-get download "${LLMPAR_GPU_BUNDLE_PACKAGES[@]}")
+  local sandbox=()
+  ((EUID == 0)) && sandbox=(-o APT::Sandbox::User=root)  # root downloads into a folder _apt may not write
+  (cd "$bundle" && apt-get "${sandbox[@]}" download "${LLMPAR_GPU_BUNDLE_PACKAGES[@]}")
   echo "llmpar.sh: $(ls "$bundle"/*.deb | wc -l) packages, $(du -sh "$bundle" | cut -f1), in $bundle:" \
     "carry .gpu-bundle to the GPU machine and run ./llmpar.sh gpu-check there"
 }
