@@ -296,7 +296,13 @@ cmd_gpu_check() {
   # it trains on one GPU with no MPI; with several, NCCL and MPI are used where found.
   ((gpus >= 2)) || args+=(-DLLMPAR_MPI=OFF -DLLMPAR_NCCL=OFF)
   local gen=()
-  [[ -f "$gdir/CMakeCache.txt" ]] || { command -v ninja >/dev/null 2>&1 && gen=(-G Ninja); }
+  if [[ ! -f "$gdir/CMakeCache.txt" ]]; then
+    if command -v ninja >/dev/null 2>&1; then
+      gen=(-G Ninja)
+    else
+      command -v make >/dev/null 2>&1 || die "gpu-check: neither ninja nor make is on PATH; install one (pip install ninja)"
+    fi
+  fi
   if ! cmake -S "$root" -B "$gdir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DLLMPAR_WERROR=ON -DLLMPAR_CUDA=ON \
     -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" "${args[@]}" >"$out/configure.log" 2>&1; then
     tail -30 "$out/configure.log"
