@@ -19,6 +19,8 @@ install(EXPORT llmparTargets NAMESPACE llmpar:: DESTINATION ${LLMPAR_INSTALL_CMA
 if(TARGET llmpar_cuda)
   install(TARGETS llmpar_cuda EXPORT llmparCudaTargets)
   install(EXPORT llmparCudaTargets NAMESPACE llmpar:: DESTINATION ${LLMPAR_INSTALL_CMAKEDIR})
+  # The config finds the CUDA toolkit through the same workaround as the build.
+  install(FILES cmake/LlmparCudaToolkit.cmake DESTINATION ${LLMPAR_INSTALL_CMAKEDIR})
   # llmpar::cuda links NCCL::nccl, which the config makes with this module.
   if(LLMPAR_NCCL)
     install(FILES cmake/FindNCCL.cmake DESTINATION ${LLMPAR_INSTALL_CMAKEDIR})
