@@ -19,11 +19,13 @@
 
 namespace llmpar::tp_test {
 
-// Writes this rank's slice `local` of p into full (p's full tensor) at its positions.
-inline void scatter_to_full(const nn::Parameter<float>& p, const float* local, std::vector<float>& full) {
+// Writes this rank's slice `local` of p (values or gradients) into full, p's full tensor,
+// at its positions, as float.
+template <class T, class V>
+void scatter_to_full(const nn::Parameter<T>& p, const V* local, std::vector<float>& full) {
   full.resize(static_cast<std::size_t>(p.full_numel()));
   for (std::int64_t i = 0; i < p.numel(); ++i)
-    full[static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = local[i];
+    full[static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = static_cast<float>(local[i]);
 }
 
 // max |a - b| over max |b|.
@@ -39,25 +41,28 @@ inline double relative_difference(const std::vector<float>& a, const std::vector
 
 struct Run {
   std::vector<double> losses;
-  std::vector<std::vector<float>> params;  // per parameter, the full tensor
+  std::vector<std::vector<float>> grads;   // per parameter, the full tensor: the first step's gradient
+  std::vector<std::vector<float>> params;  // per parameter, the full tensor after the five steps
   std::vector<std::string> names;
 };
 
-// Five training steps of `model` on fixed batches; the parameters are gathered into
-// full tensors at their full-tensor positions (each rank writes its slice under mutex).
+// Five training steps of `model` (any storage type) on fixed batches; the first step's
+// gradients and the final parameters are gathered into full tensors at their
+// full-tensor positions (each rank writes its slice under mutex).
 template <class Model>
 void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
+  using T = typename Model::value_type;
   backend::cpu::Context ctx;
   // eps = 1e-2 keeps the update a smooth function of the gradient: with a tiny eps,
   // Adam turns rounding noise in a gradient that is zero in exact arithmetic (GPT-2's
   // key bias: softmax ignores a constant added to every score of a row) into a full
   // ±lr step, in the serial run and the parallel one alike, but not the same step.
-  optim::AdamW<float> opt(model.parameter_store(),
-                          {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
+  optim::AdamW<T> opt(model.parameter_store(), {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
   opt.set_model_parallel(model.tensor_parallel());
   const std::int64_t B = 3, S = 16, V = model.config().vocab;
   std::vector<std::int32_t> tokens(B * S), targets(B * S);
   std::vector<double> losses;
+  const auto params = model.parameter_store().parameters();
   for (int step = 0; step < 5; ++step) {
     const auto stream = rng::Stream::named(static_cast<std::uint64_t>(step), "batch");
     for (std::int64_t i = 0; i < B * S; ++i) {
@@ -70,11 +75,15 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
     losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
     model.backward(ctx);
     nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
+    if (step == 0) {
+      const std::lock_guard<std::mutex> lock(mutex);
+      run.grads.resize(params.size());
+      for (std::size_t k = 0; k < params.size(); ++k) scatter_to_full(*params[k], params[k]->grad, run.grads[k]);
+    }
     opt.step(1e-2f);
   }
   const std::lock_guard<std::mutex> lock(mutex);
   if (lead) run.losses = losses;
-  const auto params = model.parameter_store().parameters();
   run.params.resize(params.size());
   run.names.resize(params.size());
   for (std::size_t k = 0; k < params.size(); ++k) {

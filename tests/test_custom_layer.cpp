@@ -21,11 +21,11 @@
 #include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
+using custom_layer::LlamaConfig;
+using custom_layer::LlamaModel;
 using tp_test::relative_difference;
 using tp_test::Run;
 using tp_test::train_five_steps;
-using custom_layer::LlamaConfig;
-using custom_layer::LlamaModel;
 
 namespace {
 
@@ -61,7 +61,6 @@ double worst_fd_error(std::vector<double>& x, const std::function<double()>& f, 
   }
   return worst;
 }
-
 
 LlamaConfig small_config() {
   return {.layers = 2,
@@ -204,6 +203,8 @@ void check_llama_split_like_serial(const Run& serial, std::mutex& mutex) {
       const double d = relative_difference(parallel.params[k], serial.params[k]);
       CHECK(d <= 1e-5);
       worst = std::max(worst, d);
+      // The first step's gradient too: Adam's update hides a wrong scale of it.
+      CHECK(relative_difference(parallel.grads[k], serial.grads[k]) <= 1e-5);
     }
     MESSAGE("tp ", tp, std::string(Policy::kSequenceParallel ? " with" : " without"),
             " sequence parallelism: largest relative difference from the serial run: losses ", worst_loss,
@@ -211,8 +212,9 @@ void check_llama_split_like_serial(const Run& serial, std::mutex& mutex) {
   }
 }
 
-TEST_CASE("the LLaMA model split over 1, 2 and 4 tensor-parallel ranks, sequence parallel or not, trains as the "
-          "serial model") {
+TEST_CASE(
+    "the LLaMA model split over 1, 2 and 4 tensor-parallel ranks, sequence parallel or not, trains as the "
+    "serial model") {
   std::mutex mutex;
   Run serial;
   {

@@ -28,6 +28,7 @@
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/train/metrics.hpp"
 #include "llmpar/train/trainer.hpp"
+#include "tensor_parallel_test_util.hpp"
 
 using namespace llmpar;
 using precision::DynamicLossScaler;
@@ -282,56 +283,6 @@ TEST_CASE("fp32 and bf16 skip a step whose gradient is NaN, with the same verdic
 
 namespace {
 
-struct Bf16Run {
-  std::vector<double> losses;
-  std::vector<std::vector<float>> grads, params;  // per parameter, full tensors: first step's gradient, final values
-  std::vector<std::string> names;
-};
-
-// Five steps of a bf16 model on fixed batches; the first step's gradients and the final
-// weights gathered into full tensors (each rank writes its slice under the mutex).
-void train_bf16(models::GPT2<bf16>& model, Bf16Run& run, std::mutex& mutex, bool lead) {
-  backend::cpu::Context ctx;
-  optim::AdamW<bf16> opt(model.parameter_store(), {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
-  opt.set_model_parallel(model.tensor_parallel());
-  const std::int64_t B = 3, S = 16, V = model.config().vocab;
-  std::vector<std::int32_t> tokens(B * S), targets(B * S);
-  std::vector<double> losses;
-  const auto params = model.parameter_store().parameters();
-  auto gather = [&](std::vector<std::vector<float>>& out, auto value_of) {
-    out.resize(params.size());
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      const nn::Parameter<bf16>& p = *params[k];
-      out[k].resize(static_cast<std::size_t>(p.full_numel()));
-      for (std::int64_t i = 0; i < p.numel(); ++i)
-        out[k][static_cast<std::size_t>(nn::full_index(p.shape, p.split, i))] = value_of(p, i);
-    }
-  };
-  for (int step = 0; step < 5; ++step) {
-    const auto stream = rng::Stream::named(static_cast<std::uint64_t>(step), "batch");
-    for (std::int64_t i = 0; i < B * S; ++i) {
-      tokens[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % V);
-      targets[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[1] % V);
-    }
-    model.zero_grad(ctx);
-    losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
-    model.backward(ctx);
-    nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
-    if (step == 0) {
-      const std::lock_guard<std::mutex> lock(mutex);
-      gather(run.grads, [](const nn::Parameter<bf16>& p, std::int64_t i) { return p.grad[i]; });
-    }
-    opt.step(1e-2f);
-  }
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (lead) run.losses = losses;
-  gather(run.params, [](const nn::Parameter<bf16>& p, std::int64_t i) { return static_cast<float>(p.value[i]); });
-  run.names.resize(params.size());
-  for (std::size_t k = 0; k < params.size(); ++k) run.names[k] = params[k]->name;
-}
-
 // ||a - b|| / ||b|| (Frobenius): a norm-wise relative difference.
 double norm_difference(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0.0, s = 0.0;
@@ -357,20 +308,20 @@ TEST_CASE("bf16 tensor and sequence parallelism over 2 and 4 ranks train as the 
   const double u = 0x1p-8, grads_tolerance = 10 * u;
   const models::GPT2Config cfg = tiny();
   std::mutex mutex;
-  Bf16Run serial;
+  tp_test::Run serial;
   {
     models::GPT2<bf16> model(cfg, 7);
-    train_bf16(model, serial, mutex, true);
+    tp_test::train_five_steps(model, serial, mutex, true);
   }
   for (const int tp : {2, 4}) {
     for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on}) {
       CAPTURE(tp);
       CAPTURE(sp == parallel::SequenceParallel::on);
-      Bf16Run split;
+      tp_test::Run split;
       comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
         comm::Comm world(std::move(thread_world));
         models::GPT2<bf16> model(cfg, 7, nn::TensorParallelGroup(&world, sp));
-        train_bf16(model, split, mutex, world.rank() == 0);
+        tp_test::train_five_steps(model, split, mutex, world.rank() == 0);
       });
       double worst_grad = 0.0, worst_param = 0.0, worst_loss = 0.0;
       for (std::size_t k = 0; k < serial.grads.size(); ++k) {

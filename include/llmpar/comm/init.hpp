@@ -267,7 +267,19 @@ inline Launch init(int& argc, char** argv, InitOptions options = {}) {
                " asks for thread ranks, but the CUDA backend runs one process per GPU: start it with mpirun -np ",
                options.ranks, " ... and without --ranks");
 #if defined(LLMPAR_WITH_NCCL)
-  if (comm::launched_by_mpi() || cuda) {
+  const bool over_mpi = comm::launched_by_mpi() || cuda;
+#else
+  // Without NCCL the CUDA backend has no collectives on device memory: it trains on one
+  // GPU, as a world of one rank (no MPI needed).
+  LLMPAR_CHECK(!cuda || detail::launcher_world_size() <= 1,
+               "the CUDA backend communicates through NCCL and this build has none, so it trains on one GPU; ",
+               "build with NCCL and MPI (LLMPAR_NCCL=ON) to run it under mpirun -np ", detail::launcher_world_size());
+#if defined(LLMPAR_WITH_MPI)
+  const bool over_mpi = comm::launched_by_mpi() && !cuda;
+#endif
+#endif
+#if defined(LLMPAR_WITH_MPI)
+  if (over_mpi) {
     launch.mpi_ = std::make_shared<comm::MpiEnvironment>(argc, argv);
     launch.engine_ = cuda ? Engine::nccl : Engine::mpi;
     int size = 1;
@@ -279,26 +291,6 @@ inline Launch init(int& argc, char** argv, InitOptions options = {}) {
     launch.options_ = options;
     return launch;
   }
-#else
-  // Without NCCL the CUDA backend has no collectives on device memory: it trains on one
-  // GPU, as a world of one rank (no MPI needed).
-  LLMPAR_CHECK(!cuda || detail::launcher_world_size() <= 1,
-               "the CUDA backend communicates through NCCL and this build has none, so it trains on one GPU; ",
-               "build with NCCL and MPI (LLMPAR_NCCL=ON) to run it under mpirun -np ", detail::launcher_world_size());
-#if defined(LLMPAR_WITH_MPI)
-  if (comm::launched_by_mpi() && !cuda) {
-    launch.mpi_ = std::make_shared<comm::MpiEnvironment>(argc, argv);
-    launch.engine_ = Engine::mpi;
-    int size = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    LLMPAR_CHECK(!ranks || options.ranks == 1, "--ranks ", options.ranks,
-                 " asks for thread ranks, but this program was started by an MPI launcher with ", size, " process",
-                 size > 1 ? "es" : "", ": start it with mpirun -np ", size * options.ranks, " ... and without --ranks");
-    launch.world_size_ = size;
-    launch.options_ = options;
-    return launch;
-  }
-#endif
 #endif
   launch.engine_ = Engine::thread;
   launch.world_size_ = options.ranks;

@@ -30,16 +30,18 @@
 
 namespace llmpar::backend::cpu {
 
-// params, m, v: (n), updated in place; grads: (n). step counts from 1.
-template <class T>
-void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RESTRICT v, const T* LLMPAR_RESTRICT grads,
-                  std::int64_t n, const math::AdamWParams& hp, int step, float grad_scale = 1.0f) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "adamw_update keeps parameters and moments in float (or double for tests); "
-                "low-precision weights are updated through their float master copy");
+namespace detail {
+
+// The update of n elements on `master` (the parameters themselves for float and double),
+// m and v, writing copy[i] = P(master[i]) when P is a 16-bit storage type (copy is unused
+// when P is T). `who` names the caller in messages.
+template <class T, class P>
+void adamw_elements(T* LLMPAR_RESTRICT master, P* LLMPAR_RESTRICT copy, T* LLMPAR_RESTRICT m, T* LLMPAR_RESTRICT v,
+                    const T* LLMPAR_RESTRICT grads, std::int64_t n, const math::AdamWParams& hp, int step,
+                    float grad_scale, const char* who) {
   math::validate(hp);
-  LLMPAR_CHECK(n >= 0, "adamw_update: n = ", n, "; it must be >= 0");
-  LLMPAR_CHECK(std::isfinite(grad_scale), "adamw_update: grad_scale = ", grad_scale,
+  LLMPAR_CHECK(n >= 0, who, ": n = ", n, "; it must be >= 0");
+  LLMPAR_CHECK(std::isfinite(grad_scale), who, ": grad_scale = ", grad_scale,
                "; it must be finite (a non-finite scale means the step should be skipped)");
   const math::AdamWBiasCorrections corrections = math::adamw_bias_corrections(hp, step);
   const math::AdamWParams local = hp;
@@ -48,43 +50,37 @@ void adamw_update(T* LLMPAR_RESTRICT params, T* LLMPAR_RESTRICT m, T* LLMPAR_RES
   const T scale = static_cast<T>(grad_scale);
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
   for (std::int64_t i = 0; i < n; ++i) {
-    T p = params[i];
+    T p = master[i];
     T mi = m[i];
     T vi = v[i];
     math::adamw_step(p, mi, vi, grads[i] * scale, local, c1, c2);
-    params[i] = p;
+    master[i] = p;
     m[i] = mi;
     v[i] = vi;
+    if constexpr (!std::is_same_v<P, T>) copy[i] = llmpar::convert<P>(p);
   }
+}
+
+}  // namespace detail
+
+// params, m, v: (n), updated in place; grads: (n). step counts from 1.
+template <class T>
+void adamw_update(T* params, T* m, T* v, const T* grads, std::int64_t n, const math::AdamWParams& hp, int step,
+                  float grad_scale = 1.0f) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "adamw_update keeps parameters and moments in float (or double for tests); "
+                "low-precision weights are updated through their float master copy (adamw_update_master)");
+  detail::adamw_elements<T, T>(params, nullptr, m, v, grads, n, hp, step, grad_scale, "adamw_update");
 }
 
 // The same update on f32 master weights, writing the storage copy params = P(master)
 // (P: bf16 or f16). master, m, v: (n) f32, updated in place; params: (n); grads: (n) f32.
 template <class P>
-void adamw_update_master(float* LLMPAR_RESTRICT master, P* LLMPAR_RESTRICT params, float* LLMPAR_RESTRICT m,
-                         float* LLMPAR_RESTRICT v, const float* LLMPAR_RESTRICT grads, std::int64_t n,
+void adamw_update_master(float* master, P* params, float* m, float* v, const float* grads, std::int64_t n,
                          const math::AdamWParams& hp, int step, float grad_scale = 1.0f) {
   static_assert(std::is_same_v<P, bf16> || std::is_same_v<P, f16>,
                 "adamw_update_master refreshes a 16-bit copy; float parameters are their own master (adamw_update)");
-  math::validate(hp);
-  LLMPAR_CHECK(n >= 0, "adamw_update_master: n = ", n, "; it must be >= 0");
-  LLMPAR_CHECK(std::isfinite(grad_scale), "adamw_update_master: grad_scale = ", grad_scale,
-               "; it must be finite (a non-finite scale means the step should be skipped)");
-  const math::AdamWBiasCorrections corrections = math::adamw_bias_corrections(hp, step);
-  const math::AdamWParams local = hp;
-  const float c1 = static_cast<float>(corrections.first);
-  const float c2 = static_cast<float>(corrections.second);
-#pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) {
-    float p = master[i];
-    float mi = m[i];
-    float vi = v[i];
-    math::adamw_step(p, mi, vi, grads[i] * grad_scale, local, c1, c2);
-    master[i] = p;
-    m[i] = mi;
-    v[i] = vi;
-    params[i] = llmpar::convert<P>(p);
-  }
+  detail::adamw_elements<float, P>(master, params, m, v, grads, n, hp, step, grad_scale, "adamw_update_master");
 }
 
 }  // namespace llmpar::backend::cpu
