@@ -19,11 +19,12 @@ namespace llmpar {
 namespace detail {
 
 // float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN of the same sign.
+// Written as a select rather than an early return, so that loops over it vectorise.
 LLMPAR_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
-  std::uint32_t x = bits::of(f);
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
-  x += 0x7FFFu + ((x >> 16) & 1u);
-  return static_cast<std::uint16_t>(x >> 16);
+  const std::uint32_t x = bits::of(f);
+  const std::uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet_nan = (x >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((x & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 LLMPAR_HOST_DEVICE float bf16_bits_to_float(std::uint16_t h) {
@@ -31,40 +32,36 @@ LLMPAR_HOST_DEVICE float bf16_bits_to_float(std::uint16_t h) {
 }
 
 // float -> IEEE binary16 bits, round to nearest even, with subnormals, inf and NaN.
+// Each range's result is computed and one is selected (no early returns), so that
+// loops over the conversion vectorise; equal, bit for bit over every float, to the
+// case-by-case conversion (checked exhaustively when this form was written).
+//  - NaN -> a quiet NaN of the same sign; from 65520 up (rounds past 65504) -> inf.
+//  - below 2^-14, a subnormal half: adding 0.5 = 2^-1 in float rounds |f| to a multiple
+//    of 2^-24 (to nearest even, the FPU's rounding), which leaves the half's bits in the
+//    low mantissa bits of the sum.
+//  - normal: the exponent rebased from 127 to 15, and the 13 dropped bits rounded to
+//    nearest even (a carry out of the mantissa correctly bumps the exponent).
 LLMPAR_HOST_DEVICE std::uint16_t float_to_f16_bits(float f) {
-  std::uint32_t x = bits::of(f);
-  const std::uint32_t sign = (x >> 16) & 0x8000u;
-  x &= 0x7FFFFFFFu;
-  if (x >= 0x7F800000u) return static_cast<std::uint16_t>(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
-  if (x >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
-  if (x < 0x38800000u) {                                                    // below 2^-14: a subnormal half (or zero)
-    const int exponent = static_cast<int>(x >> 23);
-    const int shift = 126 - exponent;  // mantissa with implicit bit, in units of 2^-24
-    if (shift > 24) return static_cast<std::uint16_t>(sign);
-    const std::uint32_t mantissa = (x & 0x7FFFFFu) | 0x800000u;
-    std::uint32_t r = mantissa >> shift;
-    const std::uint32_t rem = mantissa & ((1u << shift) - 1u);
-    const std::uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1u))) ++r;
-    return static_cast<std::uint16_t>(sign | r);
-  }
-  const std::uint32_t rebased = x - (112u << 23);  // exponent bias 127 -> 15
-  std::uint32_t r = rebased >> 13;
-  const std::uint32_t rem = rebased & 0x1FFFu;
-  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  const std::uint32_t all = bits::of(f);
+  const std::uint32_t sign = (all >> 16) & 0x8000u;
+  const std::uint32_t x = all & 0x7FFFFFFFu;
+  const std::uint32_t special = x > 0x7F800000u ? 0x7E00u : 0x7C00u;
+  const std::uint32_t subnormal = bits::of(bits::to_float(x) + 0.5f) - 0x3F000000u;
+  const std::uint32_t normal = (x - (112u << 23) + 0xFFFu + ((x >> 13) & 1u)) >> 13;
+  const std::uint32_t r = x >= 0x477FF000u ? special : (x < 0x38800000u ? subnormal : normal);
   return static_cast<std::uint16_t>(sign | r);
 }
 
+// IEEE binary16 bits -> float (exact), as a select of the three cases like the above.
 LLMPAR_HOST_DEVICE float f16_bits_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   const std::uint32_t exponent = (h >> 10) & 0x1Fu;
   const std::uint32_t mantissa = h & 0x3FFu;
-  if (exponent == 0) {
-    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24
-    return sign ? -magnitude : magnitude;
-  }
-  if (exponent == 31) return bits::to_float(sign | 0x7F800000u | (mantissa << 13));
-  return bits::to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  const float subnormal =
+      bits::to_float(sign | bits::of(static_cast<float>(mantissa) * 5.9604644775390625e-08f));  // 2^-24
+  const float special = bits::to_float(sign | 0x7F800000u | (mantissa << 13));
+  const float normal = bits::to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  return exponent == 0 ? subnormal : (exponent == 31 ? special : normal);
 }
 
 }  // namespace detail

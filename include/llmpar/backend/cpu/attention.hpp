@@ -135,7 +135,7 @@ inline void pack_rows(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT src, st
     const T* LLMPAR_RESTRICT row = src + r * stride;
     Acc* LLMPAR_RESTRICT out = dst + r * hs;
 #pragma omp simd
-    for (std::int64_t d = 0; d < hs; ++d) out[d] = static_cast<Acc>(row[d]);
+    for (std::int64_t d = 0; d < hs; ++d) out[d] = load(row, d);
   }
 }
 
@@ -146,7 +146,7 @@ inline void pack_transposed(Acc* LLMPAR_RESTRICT dst, const T* LLMPAR_RESTRICT s
                             std::int64_t stride) {
   for (std::int64_t r = 0; r < n; ++r) {
     const T* LLMPAR_RESTRICT row = src + r * stride;
-    for (std::int64_t d = 0; d < hs; ++d) dst[d * kTile + r] = static_cast<Acc>(row[d]);
+    for (std::int64_t d = 0; d < hs; ++d) dst[d * kTile + r] = load(row, d);
   }
   if (n < kTile) {
     for (std::int64_t d = 0; d < hs; ++d) std::fill(dst + d * kTile + n, dst + (d + 1) * kTile, Acc(0));
@@ -161,7 +161,7 @@ inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, 
     T* LLMPAR_RESTRICT row = dst + r * stride;
     const Acc* LLMPAR_RESTRICT in = src + r * hs;
 #pragma omp simd
-    for (std::int64_t d = 0; d < hs; ++d) row[d] = static_cast<T>(in[d]);
+    for (std::int64_t d = 0; d < hs; ++d) store(row, d, in[d]);
   }
 }
 

@@ -28,7 +28,7 @@ void bias_backward(acc_t<T>* LLMPAR_RESTRICT dbias, const T* LLMPAR_RESTRICT dou
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* row = dout + r * n;
 #pragma omp simd
-      for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] += static_cast<Acc>(row[j]);
+      for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] += load(row, j);
     }
     for (std::int64_t j = j0; j < j1; ++j) dbias[j] += acc[j - j0];
   }

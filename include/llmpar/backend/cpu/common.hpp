@@ -25,6 +25,31 @@ inline constexpr bool kCpuStorage = std::is_same_v<T, double> || kIsFloating<T>;
 
 using llmpar::acc_t;
 
+// Element i of a T array as acc_t<T>, and the store of one (round to nearest even).
+// bf16 and f16 go through their 16-bit patterns: the same conversions as
+// static_cast, but GCC's vectorizer handles loads and stores of std::uint16_t in an
+// `omp simd` loop where it gives up on the 16-bit structs (each struct store becomes a
+// per-lane temporary it cannot vectorise), and an element-wise kernel whose loop is
+// scalar runs its math (GELU's exp) several times slower.
+template <class T>
+inline acc_t<T> load(const T* LLMPAR_RESTRICT p, std::int64_t i) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return llmpar::detail::bf16_bits_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]);
+  else if constexpr (std::is_same_v<T, f16>)
+    return llmpar::detail::f16_bits_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]);
+  else
+    return p[i];
+}
+template <class T>
+inline void store(T* LLMPAR_RESTRICT p, std::int64_t i, acc_t<T> v) {
+  if constexpr (std::is_same_v<T, bf16>)
+    reinterpret_cast<std::uint16_t*>(p)[i] = llmpar::detail::float_to_bf16_bits(v);
+  else if constexpr (std::is_same_v<T, f16>)
+    reinterpret_cast<std::uint16_t*>(p)[i] = llmpar::detail::float_to_f16_bits(v);
+  else
+    p[i] = v;
+}
+
 // Fewer elements than this run on the calling thread.
 inline constexpr std::int64_t kMinParallelWork = std::int64_t{1} << 15;
 

@@ -18,7 +18,7 @@ namespace llmpar::backend::cpu {
 template <class To, class From>
 void convert(To* LLMPAR_RESTRICT out, const From* LLMPAR_RESTRICT in, std::int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = llmpar::convert<To>(in[i]);
+  for (std::int64_t i = 0; i < n; ++i) store(out, i, static_cast<acc_t<To>>(load(in, i)));
 }
 
 }  // namespace llmpar::backend::cpu

@@ -47,11 +47,11 @@ math::OnlineSoftmax<acc_t<T>> row_stats(const T* LLMPAR_RESTRICT x, std::int64_t
     const T* LLMPAR_RESTRICT xc = x + c0;
     Acc m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (std::int64_t i = 0; i < len; ++i) m = std::max(m, static_cast<Acc>(xc[i]) * inv_temperature);
+    for (std::int64_t i = 0; i < len; ++i) m = std::max(m, load(xc, i) * inv_temperature);
     if (m == Acc(-INFINITY)) continue;  // only -inf logits: contributes nothing
     Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t i = 0; i < len; ++i) sum += math::exp(static_cast<Acc>(xc[i]) * inv_temperature - m);
+    for (std::int64_t i = 0; i < len; ++i) sum += math::exp(load(xc, i) * inv_temperature - m);
     // A NaN logit is invisible to the max but makes the sum NaN: the loss reports it.
     total.combine(math::OnlineSoftmax<Acc>{m, sum});
   }
@@ -88,11 +88,11 @@ void cross_entropy_forward_backward(T* LLMPAR_RESTRICT logits, acc_t<T>* LLMPAR_
     T* LLMPAR_RESTRICT x = logits + r * Vp;  // (Vp)
     const std::int32_t target = targets[r];
     const Acc lse = detail::xent::row_stats(x, V, Acc(1)).log_sum_exp();
-    const Acc target_logit = static_cast<Acc>(x[target]);
+    const Acc target_logit = load(x, target);
     losses[r] = lse - target_logit;
 #pragma omp simd
-    for (std::int64_t i = 0; i < V; ++i) x[i] = static_cast<T>(dloss * math::exp(static_cast<Acc>(x[i]) - lse));
-    x[target] = static_cast<T>(dloss * (math::exp(target_logit - lse) - Acc(1)));
+    for (std::int64_t i = 0; i < V; ++i) store(x, i, dloss * math::exp(load(x, i) - lse));
+    store(x, target, dloss * (math::exp(target_logit - lse) - Acc(1)));
     std::fill(x + V, x + Vp, static_cast<T>(0.0f));
   }
 }
@@ -159,7 +159,7 @@ void vocab_parallel_cross_entropy_stats(acc_t<T>* LLMPAR_RESTRICT stats, const T
     Acc* LLMPAR_RESTRICT out = stats + r * kVocabStats;
     out[0] = st.max;
     out[1] = st.sum;
-    out[2] = local >= 0 && local < n ? static_cast<Acc>(x[local]) : Acc(0);
+    out[2] = local >= 0 && local < n ? load(x, local) : Acc(0);
   }
 }
 
@@ -186,9 +186,9 @@ void vocab_parallel_cross_entropy_finish(T* dlogits, acc_t<T>* LLMPAR_RESTRICT l
     T* d = dlogits + r * Vlocal;       // (Vlocal), may be x
     const std::int64_t local = targets[r] - v0;
     const bool here = local >= 0 && local < n;
-    const Acc x_target = here ? static_cast<Acc>(x[local]) : Acc(0);
+    const Acc x_target = here ? load(x, local) : Acc(0);
 #pragma omp simd
-    for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(dloss * math::exp(static_cast<Acc>(x[i]) - lse));
+    for (std::int64_t i = 0; i < n; ++i) store(d, i, dloss * math::exp(load(x, i) - lse));
     if (here) d[local] = static_cast<T>(dloss * (math::exp(x_target - lse) - Acc(1)));
     std::fill(d + n, d + Vlocal, static_cast<T>(0.0f));
   }
@@ -206,7 +206,7 @@ void softmax_forward(acc_t<T>* LLMPAR_RESTRICT probs, const T* LLMPAR_RESTRICT l
   const Acc inv_temperature = Acc(1) / temperature;
   const Acc lse = detail::xent::row_stats(logits, V, inv_temperature).log_sum_exp();
 #pragma omp simd
-  for (std::int64_t i = 0; i < V; ++i) probs[i] = math::exp(static_cast<Acc>(logits[i]) * inv_temperature - lse);
+  for (std::int64_t i = 0; i < V; ++i) probs[i] = math::exp(load(logits, i) * inv_temperature - lse);
 }
 
 }  // namespace llmpar::backend::cpu

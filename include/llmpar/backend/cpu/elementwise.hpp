@@ -18,29 +18,22 @@ namespace llmpar::backend::cpu {
 // out[i] = a[i] + b[i] (the residual connection).
 template <class T>
 void add(T* out, const T* a, const T* b, std::int64_t n) {
-  using Acc = acc_t<T>;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(static_cast<Acc>(a[i]) + static_cast<Acc>(b[i]));
-  }
+  for (std::int64_t i = 0; i < n; ++i) store(out, i, load(a, i) + load(b, i));
 }
 
 // a[i] += b[i] (gradient of a residual branch into the stream).
 template <class T>
 void add_inplace(T* LLMPAR_RESTRICT a, const T* LLMPAR_RESTRICT b, std::int64_t n) {
-  using Acc = acc_t<T>;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) {
-    a[i] = static_cast<T>(static_cast<Acc>(a[i]) + static_cast<Acc>(b[i]));
-  }
+  for (std::int64_t i = 0; i < n; ++i) store(a, i, load(a, i) + load(b, i));
 }
 
 // a[i] *= s (gradient clipping, loss-scale removal, averaging).
 template <class T>
 void scale_inplace(T* LLMPAR_RESTRICT a, acc_t<T> s, std::int64_t n) {
-  using Acc = acc_t<T>;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<T>(static_cast<Acc>(a[i]) * s);
+  for (std::int64_t i = 0; i < n; ++i) store(a, i, load(a, i) * s);
 }
 
 }  // namespace llmpar::backend::cpu

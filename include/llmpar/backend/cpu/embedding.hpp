@@ -36,7 +36,6 @@ template <class T>
 void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT tokens, const T* LLMPAR_RESTRICT wte,
                      const T* LLMPAR_RESTRICT wpe, std::int64_t B, std::int64_t Tlen, std::int64_t C,
                      RowSlice slice = {}) {
-  using Acc = acc_t<T>;
   LLMPAR_CHECK(B >= 0 && Tlen >= 0 && C >= 0, "encoder_forward: B = ", B, ", Tlen = ", Tlen, ", C = ", C,
                "; sizes must be >= 0");
   const std::int64_t positions = B * Tlen;
@@ -49,8 +48,7 @@ void encoder_forward(T* LLMPAR_RESTRICT out, const std::int32_t* LLMPAR_RESTRICT
       const T* LLMPAR_RESTRICT token_row = wte + (tokens[bt] - slice.first) * C;
       const T* LLMPAR_RESTRICT position_row = wpe + t * C;
 #pragma omp simd
-      for (std::int64_t c = 0; c < C; ++c)
-        o[c] = static_cast<T>(static_cast<Acc>(token_row[c]) + static_cast<Acc>(position_row[c]));
+      for (std::int64_t c = 0; c < C; ++c) store(o, c, load(token_row, c) + load(position_row, c));
     } else if (here) {
       std::copy_n(wte + (tokens[bt] - slice.first) * C, C, o);
     } else if (wpe != nullptr) {
@@ -81,12 +79,12 @@ void encoder_backward(acc_t<T>* LLMPAR_RESTRICT dwte, acc_t<T>* LLMPAR_RESTRICT 
       if (slice.holds(tokens[bt])) {
         Acc* LLMPAR_RESTRICT token_row = dwte + (tokens[bt] - slice.first) * C + c0;
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j) token_row[j] += static_cast<Acc>(g[j]);
+        for (std::int64_t j = 0; j < n; ++j) token_row[j] += load(g, j);
       }
       if (dwpe != nullptr) {
         Acc* LLMPAR_RESTRICT position_row = dwpe + (bt % Tlen) * C + c0;
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j) position_row[j] += static_cast<Acc>(g[j]);
+        for (std::int64_t j = 0; j < n; ++j) position_row[j] += load(g, j);
       }
     }
   }

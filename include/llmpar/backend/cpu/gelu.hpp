@@ -23,21 +23,15 @@ namespace llmpar::backend::cpu {
 // out[i] = gelu(x[i]) for i in [0, n).
 template <class T>
 void gelu_forward(T* out, const T* x, std::int64_t n) {
-  using Acc = acc_t<T>;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(math::gelu_tanh(static_cast<Acc>(x[i])));
-  }
+  for (std::int64_t i = 0; i < n; ++i) store(out, i, math::gelu_tanh(load(x, i)));
 }
 
 // dx[i] = dout[i] * gelu'(x[i]) for i in [0, n).
 template <class T>
 void gelu_backward(T* dx, const T* LLMPAR_RESTRICT x, const T* dout, std::int64_t n) {
-  using Acc = acc_t<T>;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
-  for (std::int64_t i = 0; i < n; ++i) {
-    dx[i] = static_cast<T>(static_cast<Acc>(dout[i]) * math::gelu_tanh_grad(static_cast<Acc>(x[i])));
-  }
+  for (std::int64_t i = 0; i < n; ++i) store(dx, i, load(dout, i) * math::gelu_tanh_grad(load(x, i)));
 }
 
 }  // namespace llmpar::backend::cpu

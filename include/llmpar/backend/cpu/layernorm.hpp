@@ -47,13 +47,13 @@ math::Welford<acc_t<T>> row_statistics(const T* LLMPAR_RESTRICT x, std::int64_t 
     const T* LLMPAR_RESTRICT xc = x + c0;
     Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t i = 0; i < n; ++i) sum += static_cast<Acc>(xc[i]);
+    for (std::int64_t i = 0; i < n; ++i) sum += load(xc, i);
     const Acc chunk_mean = sum / static_cast<Acc>(n);
     Acc m2 = 0;
     Acc dev = 0;
 #pragma omp simd reduction(+ : m2, dev)
     for (std::int64_t i = 0; i < n; ++i) {
-      const Acc d = static_cast<Acc>(xc[i]) - chunk_mean;
+      const Acc d = load(xc, i) - chunk_mean;
       m2 += d * d;
       dev += d;
     }
@@ -83,8 +83,8 @@ void layernorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT mean, a
     const Acc s = Acc(1) / std::sqrt(stats.variance() + static_cast<Acc>(eps));
 #pragma omp simd
     for (std::int64_t c = 0; c < C; ++c) {
-      const Acc norm = (static_cast<Acc>(xr[c]) - m) * s;
-      o[c] = static_cast<T>(norm * static_cast<Acc>(weight[c]) + static_cast<Acc>(bias[c]));
+      const Acc norm = (load(xr, c) - m) * s;
+      store(o, c, norm * load(weight, c) + load(bias, c));
     }
     if (mean != nullptr) mean[r] = m;
     if (rstd != nullptr) rstd[r] = s;
@@ -116,9 +116,9 @@ void layernorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight
         const Acc s = rstd[r];
 #pragma omp simd
         for (std::int64_t j = 0; j < n; ++j) {
-          const Acc g = static_cast<Acc>(gr[j]);
+          const Acc g = load(gr, j);
           db[j] += g;
-          dw[j] += g * ((static_cast<Acc>(xr[j]) - m) * s);
+          dw[j] += g * ((load(xr, j) - m) * s);
         }
       }
 #pragma omp simd
@@ -140,8 +140,8 @@ void layernorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight
       Acc sum_g_norm = 0;
 #pragma omp simd reduction(+ : sum_g, sum_g_norm)
       for (std::int64_t c = 0; c < C; ++c) {
-        const Acc norm = (static_cast<Acc>(xr[c]) - m) * s;
-        const Acc g = static_cast<Acc>(gr[c]) * static_cast<Acc>(weight[c]);
+        const Acc norm = (load(xr, c) - m) * s;
+        const Acc g = load(gr, c) * load(weight, c);
         sum_g += g;
         sum_g_norm += g * norm;
       }
@@ -149,9 +149,9 @@ void layernorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight
       const Acc mean_g_norm = sum_g_norm / static_cast<Acc>(C);
 #pragma omp simd
       for (std::int64_t c = 0; c < C; ++c) {
-        const Acc norm = (static_cast<Acc>(xr[c]) - m) * s;
-        const Acc g = static_cast<Acc>(gr[c]) * static_cast<Acc>(weight[c]);
-        dxr[c] = static_cast<T>((g - mean_g - norm * mean_g_norm) * s);
+        const Acc norm = (load(xr, c) - m) * s;
+        const Acc g = load(gr, c) * load(weight, c);
+        store(dxr, c, (g - mean_g - norm * mean_g_norm) * s);
       }
     }
   }

@@ -41,11 +41,10 @@ void rmsnorm_forward(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT rstd, con
     T* LLMPAR_RESTRICT o = out + r * C;       // (C)
     Acc sum_sq = 0;
 #pragma omp simd reduction(+ : sum_sq)
-    for (std::int64_t c = 0; c < C; ++c) sum_sq += static_cast<Acc>(xr[c]) * static_cast<Acc>(xr[c]);
+    for (std::int64_t c = 0; c < C; ++c) sum_sq += load(xr, c) * load(xr, c);
     const Acc s = Acc(1) / std::sqrt(sum_sq / static_cast<Acc>(C) + static_cast<Acc>(eps));
 #pragma omp simd
-    for (std::int64_t c = 0; c < C; ++c)
-      o[c] = static_cast<T>(static_cast<Acc>(xr[c]) * s * static_cast<Acc>(weight[c]));
+    for (std::int64_t c = 0; c < C; ++c) store(o, c, load(xr, c) * s * load(weight, c));
     if (rstd != nullptr) rstd[r] = s;
   }
 }
@@ -71,7 +70,7 @@ void rmsnorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight, 
         const T* LLMPAR_RESTRICT gr = dout + r * C + c0;
         const Acc s = rstd[r];
 #pragma omp simd
-        for (std::int64_t j = 0; j < n; ++j) dw[j] += static_cast<Acc>(gr[j]) * (static_cast<Acc>(xr[j]) * s);
+        for (std::int64_t j = 0; j < n; ++j) dw[j] += load(gr, j) * (load(xr, j) * s);
       }
 #pragma omp simd
       for (std::int64_t j = 0; j < n; ++j) dweight[c0 + j] += dw[j];
@@ -87,15 +86,15 @@ void rmsnorm_backward(T* LLMPAR_RESTRICT dx, acc_t<T>* LLMPAR_RESTRICT dweight, 
       Acc sum_g_norm = 0;
 #pragma omp simd reduction(+ : sum_g_norm)
       for (std::int64_t c = 0; c < C; ++c) {
-        const Acc g = static_cast<Acc>(gr[c]) * static_cast<Acc>(weight[c]);
-        sum_g_norm += g * (static_cast<Acc>(xr[c]) * s);
+        const Acc g = load(gr, c) * load(weight, c);
+        sum_g_norm += g * (load(xr, c) * s);
       }
       const Acc mean_g_norm = sum_g_norm / static_cast<Acc>(C);
 #pragma omp simd
       for (std::int64_t c = 0; c < C; ++c) {
-        const Acc norm = static_cast<Acc>(xr[c]) * s;
-        const Acc g = static_cast<Acc>(gr[c]) * static_cast<Acc>(weight[c]);
-        dxr[c] = static_cast<T>((g - norm * mean_g_norm) * s);
+        const Acc norm = load(xr, c) * s;
+        const Acc g = load(gr, c) * load(weight, c);
+        store(dxr, c, (g - norm * mean_g_norm) * s);
       }
     }
   }
