@@ -146,14 +146,18 @@ void register_tensor_parallel(double peak_gflops) {
           comm::Comm world(std::move(thread_world));
           backend::cpu::Context ctx;
           models::GPT2<float> model(cfg, 1337, nn::TensorParallelGroup(&world, sp));
-          optim::AdamW<float> opt(model.parameter_store(), optim::AdamWConfig{});
-          opt.set_model_parallel(model.tensor_parallel());
+          parallel::GradSync<models::GPT2<float>, 0> sync(ctx, model, {.world = &world}, {});
+          optim::AdamW<float> opt(sync.optimizer_shard(), optim::AdamWConfig{});
           auto step = [&] {
-            model.zero_grad(ctx);
+            sync.begin_step();
+            sync.begin_micro_batch(true);
             model.forward(ctx, tokens.data(), targets.data(), B, T);
             model.backward(ctx);
-            nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
-            opt.step(1e-4f);
+            sync.end_micro_batch();
+            sync.finish();
+            const optim::GradNorm norm = sync.gradient_norm();
+            if (norm.finite) opt.update(1e-4f, norm);
+            sync.after_update();
           };
           step();  // warm-up: buffers and GEMM primitives
           world.barrier();

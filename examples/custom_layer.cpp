@@ -91,10 +91,10 @@ int run(const Options& o, comm::Comm& world) {
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = 0.1f, .grad_clip = 1.0f};
   const optim::CosineSchedule schedule{
       .peak_lr = o.lr, .warmup_steps = std::min(o.warmup, o.steps), .total_steps = o.steps};
-  // The trainer sees model.tensor_parallel() and makes AdamW's gradient clipping sum
-  // the split parameters' norms over the tp ranks.
+  // The grid's groups: the dp reduction, and the global norm over every rank (the
+  // split parameters' squares summed over the tp ranks).
   train::Trainer<custom_layer::LlamaModel<float>> trainer(ctx, model, opt, schedule, train_loader, {.steps = o.steps},
-                                                          &grid.dp());
+                                                          parallel::Groups::of(grid));
   double first = 0.0, last = 0.0;
   trainer.fit([&](const train::StepStats& s) {
     if (s.step == 1) first = s.loss;

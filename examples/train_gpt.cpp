@@ -8,9 +8,11 @@
 //   mpirun -np 2 train_gpt --batch 8           # the same with two processes
 //   train_gpt --backend cuda                   # on a GPU (CUDA builds); mpirun -np N for N GPUs
 //
-// With several ranks each one holds the whole model and reads its own rows of every
-// global batch; gradients and losses are averaged over the ranks, so --ranks N with
-// --batch B trains exactly as one rank with --batch N*B. Rank 0 prints and writes.
+// With several ranks, --tp T splits each block over T ranks and the dp = ranks / T
+// replicas read their own rows of every global batch; gradients and losses are averaged
+// over dp, so --ranks N with --batch B trains exactly as one rank with --batch N*B.
+// --zero 1|2|3 shards optimizer state, gradients and parameters over dp. Rank 0 prints
+// and writes.
 #include "train_gpt.hpp"
 
 #include <CLI/CLI.hpp>
@@ -114,8 +116,16 @@ int main(int argc, char** argv) {
   app.add_option("--data", o.data, "Glob of training shards (.bin); default: the fortunes corpus");
   app.add_option("--val-data", o.val_data, "Glob of validation shards (default: --data with 'train' -> 'val')");
   app.add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
-  app.add_option("--batch", o.batch, "Sequences per micro-batch")->capture_default_str();
-  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step")->capture_default_str();
+  app.add_option("--batch,--micro-batch", o.batch, "Sequences per micro-batch on each data-parallel rank")
+      ->capture_default_str();
+  app.add_option("--grad-accum", o.grad_accum, "Micro-batches per optimizer step (default 1, or from --global-batch)");
+  app.add_option("--global-batch", o.global_batch,
+                 "Sequences per optimizer step over all dp ranks: grad accum = global / (micro-batch x dp)");
+  app.add_option("--zero", o.zero,
+                 "ZeRO stage: 0 replicated, 1 optimizer state sharded over dp, 2 and gradients, 3 and parameters")
+      ->capture_default_str();
+  app.add_option("--bucket-mb", o.bucket_mb, "Gradient bucket size in MiB of f32 gradients")->capture_default_str();
+  app.add_flag("!--no-overlap", o.overlap, "Reduce gradient buckets after backward instead of during it (measuring)");
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
   app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10% (default: min(20, steps))");
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();

@@ -24,8 +24,12 @@ struct Options {
   std::optional<std::int64_t> layers, heads, dim, seq, vocab;
   std::string data, val_data;
   std::int64_t steps = 600;
-  std::int64_t batch = 16;
-  std::int64_t grad_accum = 1;
+  std::int64_t batch = 16;                     // sequences per micro-batch and rank (--batch, --micro-batch)
+  std::optional<std::int64_t> grad_accum;      // micro-batches per step (default 1, or from --global-batch)
+  std::optional<std::int64_t> global_batch;    // sequences per optimizer step over all dp ranks
+  int zero = 0;                                // ZeRO stage
+  double bucket_mb = 16.0;                     // gradient bucket size, MiB of f32 gradients
+  bool overlap = true;                         // reduce buckets during backward
   float lr = 2e-3f;
   std::optional<std::int64_t> warmup;  // default: min(20, steps)
   float weight_decay = 0.1f;
@@ -74,6 +78,15 @@ inline models::GPT2Config model_config(const Options& o) {
   return cfg;
 }
 
+// The data-parallel degree of a run: the ranks left after tensor parallelism.
+inline int data_parallel_degree(const Options& o, int world_size) { return world_size / std::max(1, o.tp); }
+
+// Micro-batches per optimizer step: --global-batch / (--batch x dp), or --grad-accum.
+inline std::int64_t accumulation_steps(const Options& o, int world_size) {
+  if (!o.global_batch) return o.grad_accum.value_or(1);
+  return *o.global_batch / (o.batch * data_parallel_degree(o, world_size));
+}
+
 // Every check that needs no data and no work, run by every rank before anything else
 // (the corpus, the model, the peak measurement, the first step): a mistake in any flag
 // stops the run at once with the flag, its value and what would work.
@@ -82,7 +95,13 @@ inline void validate(const Options& o, int world_size) {
                " is not one of fp32, bf16, fp16");
   LLMPAR_CHECK(o.steps > 0, "--steps ", o.steps, "; train for at least 1 step");
   LLMPAR_CHECK(o.batch > 0, "--batch ", o.batch, "; use at least 1 sequence per micro-batch");
-  LLMPAR_CHECK(o.grad_accum > 0, "--grad-accum ", o.grad_accum, "; use at least 1 micro-batch per step");
+  if (o.grad_accum)
+    LLMPAR_CHECK(*o.grad_accum > 0, "--grad-accum ", *o.grad_accum, "; use at least 1 micro-batch per step");
+  LLMPAR_CHECK(o.zero >= 0 && o.zero <= 3, "--zero ", o.zero,
+               " is not a ZeRO stage; use 0 (replicated), 1 (optimizer state sharded), 2 (and gradients) or 3 (and "
+               "parameters)");
+  LLMPAR_CHECK(std::isfinite(o.bucket_mb) && o.bucket_mb > 0.0, "--bucket-mb ", o.bucket_mb,
+               "; the gradient bucket size must be a positive number of MiB");
   LLMPAR_CHECK(std::isfinite(o.lr) && o.lr > 0.0f, "--lr ", o.lr, "; the learning rate must be a positive number");
   if (o.warmup)
     LLMPAR_CHECK(*o.warmup >= 0 && *o.warmup <= o.steps, "--warmup ", *o.warmup, " must be in [0, --steps ", o.steps,
@@ -104,6 +123,16 @@ inline void validate(const Options& o, int world_size) {
                " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
   LLMPAR_CHECK(!o.sp || o.tp > 1,
                "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
+  if (o.global_batch) {
+    const std::int64_t dp = data_parallel_degree(o, world_size), per_step = o.batch * dp;
+    LLMPAR_CHECK(*o.global_batch > 0 && *o.global_batch % per_step == 0, "--global-batch ", *o.global_batch,
+                 " is not a multiple of --micro-batch ", o.batch, " x dp ", dp, " = ", per_step,
+                 " (sequences one micro-batch step reads over the data-parallel ranks); use a multiple of ", per_step,
+                 ", or change --micro-batch");
+    LLMPAR_CHECK(!o.grad_accum || *o.grad_accum == *o.global_batch / per_step, "--grad-accum ", *o.grad_accum,
+                 " contradicts --global-batch ", *o.global_batch, " / (--micro-batch ", o.batch, " x dp ", dp,
+                 ") = ", *o.global_batch / per_step, "; give one of the two");
+  }
   const models::GPT2Config cfg = model_config(o);
   cfg.validate();
   const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
@@ -195,13 +224,15 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
       static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
       static_cast<double>(model.num_parameters()) * 1e-6);
-  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d) x batch %lld x %lld, grad accum %lld, lr %.2e, warmup %lld, "
-      "%s, "
-      "%s backend\n",
+  const std::int64_t accum = accumulation_steps(o, world.size());
+  const std::int64_t global_batch = o.batch * grid.dp().size() * accum;
+  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d, ZeRO %d) x micro-batch %lld x %lld, grad accum %lld "
+      "(global batch %lld), lr %.2e, warmup %lld, %s, %s backend\n",
       static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "",
-      std::string(world.engine_name()).c_str(), grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(),
-      static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(o.grad_accum),
-      static_cast<double>(o.lr), static_cast<long long>(warmup), o.precision.c_str(), B::kName);
+      std::string(world.engine_name()).c_str(), grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(), o.zero,
+      static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(accum),
+      static_cast<long long>(global_batch), static_cast<double>(o.lr), static_cast<long long>(warmup),
+      o.precision.c_str(), B::kName);
   say("policy: %s\n", Policy::kName);
   say("precision: %s\n", precision_summary<typename Policy::precision>().c_str());
   say("MFU peak: %s\n", peak.source.c_str());
@@ -219,8 +250,13 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"ranks", world.size()},
                  {"tp", o.tp},
                  {"sp", o.sp},
-                 {"batch", o.batch},
-                 {"grad_accum", o.grad_accum},
+                 {"dp", grid.dp().size()},
+                 {"zero", o.zero},
+                 {"micro_batch", o.batch},
+                 {"grad_accum", accum},
+                 {"global_batch", global_batch},
+                 {"bucket_mb", o.bucket_mb},
+                 {"overlap", o.overlap},
                  {"steps", o.steps},
                  {"lr", o.lr},
                  {"warmup", warmup},
@@ -235,7 +271,28 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
   train::Trainer<models::GPT2<T, B>, Policy> trainer(
       ctx, model, opt, schedule, train_loader,
-      {.steps = o.steps, .grad_accum = o.grad_accum, .peak_gflops = peak.gflops}, &grid.dp());
+      {.steps = o.steps,
+       .grad_accum = accum,
+       .peak_gflops = peak.gflops,
+       .data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap}},
+      parallel::Groups::of(grid));
+  // Bytes per rank, from the buffers: at start (activations are allocated by the first
+  // step), and after the first step with them, also in the metrics log.
+  auto report_memory = [&](const char* when) {
+    const parallel::MemoryReport m = trainer.memory();
+    const auto mib = [](std::size_t b) { return static_cast<double>(b) / (1 << 20); };
+    say("memory per rank (%s): parameters %.2f MiB, gradients %.2f MiB, optimizer %.2f MiB, activations %.2f MiB, "
+        "buffers %.2f MiB\n",
+        when, mib(m.parameters), mib(m.gradients), mib(m.optimizer), mib(m.activations), mib(m.communication));
+    metrics.write({{"type", "memory"},
+                   {"when", when},
+                   {"parameters", m.parameters},
+                   {"gradients", m.gradients},
+                   {"optimizer", m.optimizer},
+                   {"activations", m.activations},
+                   {"buffers", m.communication}});
+  };
+  report_memory("start");
   // Never count a validation batch twice: at most one pass over the validation data.
   const std::int64_t eval_batches = std::min(o.eval_batches, val_loader.batches_per_epoch());
   auto run_eval = [&](std::int64_t step) {
@@ -249,6 +306,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     say("%s\n", train::format_step(s, o.steps, Policy::kHasLossScale).c_str());
     if (lead) std::fflush(stdout);
     metrics.write_step(s);
+    if (s.step == 1) report_memory("after step 1");
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
   });
 
@@ -268,10 +326,26 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
 // The run on backend B, its layout composed from the flags: --precision and --sp choose
 // the precision policy and sequence parallelism at compile time (one instantiation
 // each); the degrees come from the grid.
+template <class B, class Precision, int kZero>
+int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
+  using Data = parallel::Data<zero::Stage<kZero>>;
+  if (o.sp) return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>, Data>>(o, world, ctx, find_peak);
+  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>, Data>>(o, world, ctx, find_peak);
+}
+
+// --zero chooses the data-parallel policy.
 template <class B, class Precision>
 int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
-  if (o.sp) return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>>>(o, world, ctx, find_peak);
-  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>>>(o, world, ctx, find_peak);
+  switch (o.zero) {
+    case 1:
+      return run_with<B, Precision, 1>(o, world, ctx, find_peak);
+    case 2:
+      return run_with<B, Precision, 2>(o, world, ctx, find_peak);
+    case 3:
+      return run_with<B, Precision, 3>(o, world, ctx, find_peak);
+    default:
+      return run_with<B, Precision, 0>(o, world, ctx, find_peak);
+  }
 }
 
 template <class B>

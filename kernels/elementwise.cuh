@@ -563,4 +563,48 @@ void encoder_backward(cudaStream_t stream, float* dwte, float* dwpe, const T* do
   LLMPAR_CHECK_LAUNCH("encoder_backward_wpe_kernel");
 }
 
+// Σ x[i]² over x (n floats) in double, deterministic: each of a fixed number of blocks
+// sums a strided share and writes one partial; the host adds the partials in block order
+// (what a gradient-norm shard needs, not a hot path: one call per shard segment a step).
+namespace detail::ew {
+inline constexpr int kSquaresThreads = 256;
+inline constexpr int kSquaresBlocks = 256;
+#if defined(__CUDACC__)
+__global__ void __launch_bounds__(kSquaresThreads)
+    squares_partials_kernel(const float* x, std::int64_t n, double* partials) {
+  __shared__ double part[kSquaresThreads];
+  double s = 0.0;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double v = x[i];
+    s += v * v;
+  }
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kSquaresThreads / 2; w > 0; w /= 2) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = part[0];
+}
+#endif
+}  // namespace detail::ew
+
+// Doubles of device workspace sum_of_squares needs.
+inline constexpr std::int64_t kSumOfSquaresWorkspace = detail::ew::kSquaresBlocks;
+
+// Σ x² (x: n device floats), returned on the host; waits for the stream.
+inline double sum_of_squares(cudaStream_t stream, const float* x, std::int64_t n, double* workspace) {
+  if (n <= 0) return 0.0;
+  detail::ew::squares_partials_kernel<<<detail::ew::kSquaresBlocks, detail::ew::kSquaresThreads, 0, stream>>>(
+      x, n, workspace);
+  LLMPAR_CHECK_LAUNCH("squares_partials_kernel");
+  double host[detail::ew::kSquaresBlocks];
+  LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, workspace, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+  double total = 0.0;
+  for (double v : host) total += v;
+  return total;
+}
+
 }  // namespace llmpar::kernels

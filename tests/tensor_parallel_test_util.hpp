@@ -16,6 +16,7 @@
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
+#include "llmpar/parallel/grad_sync.hpp"
 
 namespace llmpar::tp_test {
 
@@ -57,8 +58,9 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
   // Adam turns rounding noise in a gradient that is zero in exact arithmetic (GPT-2's
   // key bias: softmax ignores a constant added to every score of a row) into a full
   // ±lr step, in the serial run and the parallel one alike, but not the same step.
-  optim::AdamW<T> opt(model.parameter_store(), {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
-  opt.set_model_parallel(model.tensor_parallel());
+  // The tensor-parallel group is the whole world here: the global norm sums over it.
+  parallel::GradSync<Model, 0> sync(ctx, model, {.world = model.tensor_parallel().communicator()}, {});
+  optim::AdamW<T> opt(sync.optimizer_shard(), {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
   const std::int64_t B = 3, S = 16, V = model.config().vocab;
   std::vector<std::int32_t> tokens(B * S), targets(B * S);
   std::vector<double> losses;
@@ -71,16 +73,21 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
       targets[static_cast<std::size_t>(i)] =
           static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[1] % V);
     }
-    model.zero_grad(ctx);
+    sync.begin_step();
+    sync.begin_micro_batch(true);
     losses.push_back(model.forward(ctx, tokens.data(), targets.data(), B, S));
     model.backward(ctx);
-    nn::sum_sequence_parallel_gradients<backend::Cpu>(ctx, model.parameter_store(), model.tensor_parallel());
+    sync.end_micro_batch();
+    sync.finish();
     if (step == 0) {
       const std::lock_guard<std::mutex> lock(mutex);
       run.grads.resize(params.size());
       for (std::size_t k = 0; k < params.size(); ++k) scatter_to_full(*params[k], params[k]->grad, run.grads[k]);
     }
-    opt.step(1e-2f);
+    const optim::GradNorm norm = sync.gradient_norm();
+    REQUIRE(norm.finite);
+    opt.update(1e-2f, norm);
+    sync.after_update();
   }
   const std::lock_guard<std::mutex> lock(mutex);
   if (lead) run.losses = losses;

@@ -198,7 +198,7 @@ TEST_CASE(
                             {.batch_size = 2, .seq_len = 16, .rank = grid.dp().rank(), .world = grid.dp().size()});
     train::Trainer<Model, Policy> trainer(
         ctx, model, {.lr = 1e-3f}, {.peak_lr = 1e-3f, .warmup_steps = 0, .total_steps = kSteps}, loader,
-        {.steps = kSteps, .loss_scale = {.initial_scale = 1024.0f, .hysteresis = 1}}, &grid.dp());
+        {.steps = kSteps, .loss_scale = {.initial_scale = 1024.0f, .hysteresis = 1}}, parallel::Groups::of(grid));
     RankLog& log = logs[static_cast<std::size_t>(world.rank())];
     auto snapshot = [&] {
       auto& store = model.parameter_store();
@@ -268,7 +268,7 @@ TEST_CASE("fp32 and bf16 skip a step whose gradient is NaN, with the same verdic
     data::DataLoader loader(dataset, {.batch_size = 2, .seq_len = 16, .rank = world.rank(), .world = 2});
     train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-3f},
                                           {.peak_lr = 1e-3f, .warmup_steps = 0, .total_steps = 3}, loader, {.steps = 3},
-                                          &world);
+                                          {.dp = &world, .world = &world});
     trainer.set_gradient_hook([&](Model& m) {
       if (trainer.steps_done() == 1 && world.rank() == 0) m.parameter_store().grads()[5] = std::nanf("");
     });

@@ -40,6 +40,11 @@ struct Host {
   static void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
   static void copy_from_host(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
   static void copy_to_host(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+  // n elements within this space.
+  template <class T>
+  static void copy(T* dst, const T* src, std::int64_t n) {
+    if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
+  }
   static constexpr bool kHostAccessible = true;
 };
 }  // namespace memory

@@ -133,7 +133,7 @@ class GPT2Block {
 
   // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate
   // (under sequence parallelism, the LayerNorms' only over this rank's rows: see
-  // nn::sum_sequence_parallel_gradients). dx, dout, x: this rank's rows.
+  // parallel::GradSync). dx, dout, x: this rank's rows.
   void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
                 detail::BlockScratch<T, Space>& s) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;

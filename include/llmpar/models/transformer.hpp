@@ -34,6 +34,9 @@
 //    they are written to, and the token table, the tied LM head and the loss split the
 //    vocabulary (nn::VocabParallelEmbedding): no rank ever holds the (B·S, Vp) logits.
 //    With sequence parallelism the norm and residual regions hold B·S/tp rows.
+//  - Units (nn/units.hpp) for data parallelism: 0 is the token table with the tied LM
+//    head and the position table, 1..L the blocks, L+1 the final norm. The hooks are
+//    called around each use, so a ZeRO strategy can reduce, bind or gather per unit.
 //  - The vocabulary is padded (GPT-2: 50257 -> 50304) so the LM-head GEMM has aligned
 //    rows; padded logits never enter the loss and get zero gradient.
 #pragma once
@@ -49,6 +52,7 @@
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
+#include "llmpar/nn/units.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
 
 namespace llmpar::models {
@@ -143,19 +147,26 @@ class Transformer {
     // LM head, tied to the token table: this rank's vocabulary columns, dnorm summed over
     // the group.
     T* dnorm = scratch_.c0.data();  // (Rl, C)
+    const int norm_unit = static_cast<int>(L) + 1;
+    nn::before_backward(hooks_, 0);
     embedding_.head_backward(ctx, dnorm, logits_.data(), norm_out_.data(), rows);
+    nn::before_backward(hooks_, norm_unit);
     norm_.backward(ctx, dres_[0].data(), dnorm, residual(L), local);
+    nn::after_backward(hooks_, norm_unit);
     for (std::int64_t l = L - 1; l >= 0; --l) {
       T* dout = dres_[(L - 1 - l) % 2].data();
       T* dx = dres_[(L - l) % 2].data();
       Block& block = blocks_[static_cast<std::size_t>(l)];
+      nn::before_backward(hooks_, static_cast<int>(l) + 1);
       if constexpr (requires { block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_); })
         block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_);  // with the shared scratch
       else
         block.backward(ctx, dx, dout, residual(l), batch, seq);
+      nn::after_backward(hooks_, static_cast<int>(l) + 1);
     }
     embedding_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq,
                         kPositionTable ? positions_.grad : nullptr);
+    nn::after_backward(hooks_, 0);
   }
 
   // Mean loss without touching any gradient state.
@@ -186,16 +197,31 @@ class Transformer {
   }
   RowSlice vocab_slice() const { return embedding_.slice(); }
 
-  // Zeroes every gradient, in the backend's stream order (no device-wide wait).
-  void zero_grad(Context& ctx) { Backend::zero(ctx, store_.grads(), store_.flat_size()); }
+  // Zeroes every gradient, in the backend's stream order (no device-wide wait). Under a
+  // ZeRO stage that shards gradients the data-parallel strategy zeroes its own.
+  void zero_grad(Context& ctx) {
+    if (store_.has_grads()) Backend::zero(ctx, store_.grads(), store_.flat_size());
+  }
 
   template <class Visit>
   void parameters(Visit&& visit) {
-    embedding_.parameters(visit);
-    if constexpr (kPositionTable) visit(positions_);
-    for (auto& block : blocks_) block.parameters(visit);
-    norm_.parameters(visit);
+    for (int u = 0; u < num_units(); ++u) unit_parameters(u, visit);
   }
+  // Units (nn/units.hpp): 0 the embedding (token table, tied LM head, position table),
+  // 1..L the blocks, L+1 the final norm.
+  int num_units() const { return static_cast<int>(cfg_.layers) + 2; }
+  template <class Visit>
+  void unit_parameters(int unit, Visit&& visit) {
+    if (unit == 0) {
+      embedding_.parameters(visit);
+      if constexpr (kPositionTable) visit(positions_);
+    } else if (unit <= cfg_.layers) {
+      blocks_[static_cast<std::size_t>(unit - 1)].parameters(visit);
+    } else {
+      norm_.parameters(visit);
+    }
+  }
+  void set_unit_hooks(nn::UnitHooks* hooks) { hooks_ = hooks; }
 
   nn::ParameterStore<T, Space>& parameter_store() { return store_; }
   nn::TensorParallelGroup tensor_parallel() const { return tp_; }
@@ -234,9 +260,17 @@ class Transformer {
     norm_out_.reserve(rows * C);
     logits_.reserve(rows * embedding_.slice().count);
     losses_.reserve(rows);
+    const int norm_unit = static_cast<int>(L) + 1;
+    nn::before_forward(hooks_, 0);
     embedding_.forward(ctx, residual(0), tokens_.data(), batch, seq, kPositionTable ? positions_.value : nullptr);
-    for (std::int64_t l = 0; l < L; ++l)
+    nn::after_forward(hooks_, 0);
+    for (std::int64_t l = 0; l < L; ++l) {
+      nn::before_forward(hooks_, static_cast<int>(l) + 1);
       blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
+      nn::after_forward(hooks_, static_cast<int>(l) + 1);
+    }
+    nn::before_forward(hooks_, norm_unit);
+    nn::before_forward(hooks_, 0);  // the LM head is the token table
     if (tp_.sequence_parallel()) {
       // The final norm on this rank's rows, then every row gathered for the LM head.
       norm_local_.reserve(local * C);
@@ -247,6 +281,8 @@ class Transformer {
       norm_.forward(ctx, norm_out_.data(), residual(L), rows);
     }
     embedding_.head_forward(ctx, logits_.data(), norm_out_.data(), rows);
+    nn::after_forward(hooks_, norm_unit);
+    nn::after_forward(hooks_, 0);
   }
 
   // Targets are checked on the host, then copied into the backend's memory.
@@ -275,6 +311,7 @@ class Transformer {
   std::vector<Block> blocks_;
   Norm norm_;  // the final norm
   nn::ParameterStore<T, Space> store_;
+  nn::UnitHooks* hooks_ = nullptr;
 
   std::int64_t batch_ = 0, seq_ = 0;
   bool backward_ready_ = false;

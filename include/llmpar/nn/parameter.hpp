@@ -14,6 +14,12 @@
 // gradients is one memset, the gradient norm one pass, the optimizer one stream over
 // memory, and a data-parallel all-reduce or a ZeRO shard is a slice of one array.
 //
+// A data-parallel strategy re-lays the store out (relayout): parameters in the order
+// backward produces their gradients, cut into buckets padded so that every dp rank's
+// shard of a bucket is aligned, and, under ZeRO, without the whole-model gradient
+// buffer (stages 2 and 3) or value buffer (stage 3), whose shards then live with the
+// data-parallel strategy (parallel/grad_sync.hpp).
+//
 // Initial values come from the counter-based RNG keyed by (seed, parameter name) and
 // indexed by the element's position in the full tensor, so a rank that will hold only
 // a slice computes the very values the serial model has there.
@@ -108,7 +114,7 @@ struct Parameter {
   Split split;         // the part of the full tensor this rank holds (default: all of it)
   // Whole on every rank of a tensor-parallel group, but each rank's gradient covers only
   // its rows of the sequence (a norm under sequence parallelism): the gradients are
-  // summed over the group once per step (nn::sum_sequence_parallel_gradients).
+  // summed over the group once per step (by parallel::GradSync).
   bool sequence_parallel = false;
   using Grad = acc_t<T>;  // f32 main grads for 16-bit T (double for double)
   T* value = nullptr;     // bound by ParameterStore; local_shape() elements
@@ -167,6 +173,7 @@ class ParameterStore {
     });
     values_.resize(total);
     grads_.resize(total);
+    size_ = total;
     values_.zero();
     grads_.zero();
     std::int64_t offset = 0;
@@ -175,6 +182,51 @@ class ParameterStore {
       p->grad = grads_.data() + offset;
       offset += round_up(p->numel());
     }
+  }
+
+  // Where each parameter goes in a new layout, and which whole-model buffers it keeps.
+  struct Layout {
+    std::vector<std::int64_t> offsets;  // per parameter, in parameters() order
+    std::int64_t size = 0;              // elements of the flat buffers, padding included
+    bool values = true;                 // keep the whole-model value buffer (false: ZeRO stage 3)
+    bool grads = true;                  // keep the whole-model gradient buffer (false: ZeRO stages 2, 3)
+  };
+
+  // Moves every parameter to its offset in `layout`, keeping its values (copied into the
+  // new value buffer, or left for the caller to take from old_values() when the layout
+  // keeps none); gradients start at zero. Pointers of buffers not kept are null until the
+  // caller binds them. The model must not be in the middle of a step.
+  void relayout(const Layout& layout) {
+    LLMPAR_CHECK(layout.offsets.size() == params_.size(), "ParameterStore::relayout: ", layout.offsets.size(),
+                 " offsets for ", params_.size(), " parameters");
+    for (std::size_t k = 0; k < params_.size(); ++k)
+      LLMPAR_CHECK(layout.offsets[k] >= 0 && layout.offsets[k] + params_[k]->numel() <= layout.size,
+                   "ParameterStore::relayout: parameter '", params_[k]->name, "' at offset ", layout.offsets[k],
+                   " does not fit in ", layout.size, " elements");
+    Buffer<T, Space> values(layout.values ? layout.size : 0);
+    values.zero();
+    if (layout.values)
+      for (std::size_t k = 0; k < params_.size(); ++k)
+        Space::copy(values.data() + layout.offsets[k], params_[k]->value, params_[k]->numel());
+    old_values_ = std::move(values_);
+    values_ = std::move(values);
+    if (layout.values) old_values_.reset();
+    grads_.resize(layout.grads ? layout.size : 0);
+    grads_.zero();
+    size_ = layout.size;
+    old_offsets_.clear();
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      Parameter<T>& p = *params_[k];
+      if (!layout.values) old_offsets_.push_back(p.value - old_values_.data());
+      p.value = layout.values ? values_.data() + layout.offsets[k] : nullptr;
+      p.grad = layout.grads ? grads_.data() + layout.offsets[k] : nullptr;
+    }
+  }
+  // After a relayout that keeps no value buffer: parameter k's values until release_old_values().
+  const T* old_value(std::size_t k) const { return old_values_.data() + old_offsets_.at(k); }
+  void release_old_values() {
+    old_values_.reset();
+    old_offsets_.clear();
   }
 
   // Every parameter from its own stream: value[i] = init(seed, name, i).
@@ -217,6 +269,8 @@ class ParameterStore {
   // Synchronous (set-up code and tests); a training step zeroes through its backend's
   // context instead (Backend::zero, in the compute stream's order).
   void zero_grad() { grads_.zero(); }
+  bool has_values() const { return values_.size() > 0 || size_ == 0; }
+  bool has_grads() const { return grads_.size() > 0 || size_ == 0; }
 
   std::span<Parameter<T>* const> parameters() const { return params_; }
   // Number of parameter elements (without alignment padding).
@@ -236,7 +290,10 @@ class ParameterStore {
   Grad* grads() { return grads_.data(); }
   const T* values() const { return values_.data(); }
   const Grad* grads() const { return grads_.data(); }
-  std::int64_t flat_size() const { return values_.size(); }
+  std::int64_t flat_size() const { return size_; }
+  // Bytes the store's own buffers hold (what a ZeRO stage leaves here).
+  std::size_t value_bytes() const { return values_.bytes(); }
+  std::size_t grad_bytes() const { return grads_.bytes(); }
 
   Parameter<T>& find(std::string_view name) const {
     for (Parameter<T>* p : params_)
@@ -257,6 +314,9 @@ class ParameterStore {
   std::vector<Parameter<T>*> params_;
   Buffer<T, Space> values_;
   Buffer<Grad, Space> grads_;
+  std::int64_t size_ = 0;
+  Buffer<T, Space> old_values_;  // relayout without a value buffer: the values until taken
+  std::vector<std::int64_t> old_offsets_;
 };
 
 }  // namespace llmpar::nn

@@ -65,6 +65,7 @@ class TensorParallelGroup {
   }
 
   int size() const { return group_ ? group_->size() : 1; }
+  comm::Comm* communicator() const { return group_; }  // null when not split
   int rank() const { return group_ ? group_->rank() : 0; }
   bool split() const { return group_ != nullptr; }
   bool sequence_parallel() const { return sp_ == parallel::SequenceParallel::on; }
@@ -170,17 +171,6 @@ template <class T, class Layer>
 void mark_sequence_parallel(Layer& layer, const TensorParallelGroup& tp) {
   if (!tp.sequence_parallel()) return;
   layer.parameters([](Parameter<T>& p) { p.sequence_parallel = true; });
-}
-
-// Sums over the group the gradients of the parameters marked sequence_parallel: once
-// per step, after the last micro-batch's backward (train::Trainer calls it).
-template <class Backend, class T, class Space>
-void sum_sequence_parallel_gradients(typename Backend::Context& ctx, ParameterStore<T, Space>& store,
-                                     const TensorParallelGroup& tp) {
-  if (!tp.sequence_parallel()) return;
-  Backend::synchronize(ctx);  // the reduction reads what the kernels wrote
-  for (Parameter<T>* p : store.parameters())
-    if (p->sequence_parallel) tp.all_reduce(p->grad, p->numel());
 }
 
 // y_local (rows, out/tp) = x (rows, in) · W_localᵀ + b_local.

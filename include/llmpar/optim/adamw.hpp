@@ -1,27 +1,31 @@
-// llmpar/optim/adamw.hpp — AdamW over a model's flat parameter store, with global-norm
-// gradient clipping folded into the update, f32 master weights for 16-bit models, and
-// the inf/NaN check that lets a step be skipped.
+// llmpar/optim/adamw.hpp — AdamW over a shard of a model's flat parameter store, with
+// global-norm gradient clipping folded into the update, f32 master weights for 16-bit
+// models, and the inf/NaN check that lets a step be skipped.
 //
-// The moments (and, for a bf16/f16 store, the f32 master weights) live in flat buffers
-// laid out like the store's, so one optimizer step streams the arrays once. Clipping
-// does not rewrite the gradients: the clip factor and 1 / loss scale are passed to the
-// update as one gradient scale, saving a full pass over memory. Weight decay applies to
-// the parameters that ask for it (matrices and embeddings), as in GPT-2 and llm.c.
+// The optimizer is built for a shard (DESIGN.md): a list of segments of the store's
+// buffers, the whole store without ZeRO, this rank's part of every bucket with it
+// (parallel/grad_sync.hpp). The moments (and, for a bf16/f16 store, the f32 master
+// weights) are laid out segment after segment, so one optimizer step streams the arrays
+// once. Clipping does not rewrite the gradients: the clip factor and 1 / loss scale are
+// passed to the update as one gradient scale, saving a full pass over memory. Weight
+// decay applies to the parameters that ask for it (matrices and embeddings), as in
+// GPT-2 and llm.c.
 //
-// A step is two calls, so that whoever owns the loss scaler (train::Trainer) decides
-// between them:
-//   GradNorm g = opt.gradient_norm(inv_scale);  // unscaled global norm, and finite or not
-//   ... reduce g.finite over the other groups that hold different gradients ...
-//   if (g.finite) opt.update(lr, g, inv_scale); // else skip: weights, moments, step count unchanged
-// step(lr) does both for a caller without a scaler. The CUDA optimizer
-// (backend/cuda/backend.hpp) has the same three calls, and both backends detect, skip
-// and report a non-finite gradient the same way.
+// A step is two decisions, so that whoever owns the loss scaler and the groups
+// (train::Trainer with parallel::GradSync) decides between them:
+//   GradNorm g = sync.gradient_norm(inv_scale);  // global norm over every group, finite or not
+//   if (g.finite) opt.update(lr, g, inv_scale);  // else skip: weights, moments, step count unchanged
+// step(lr) does both for one rank. The CUDA optimizer (backend/cuda/backend.hpp) has the
+// same calls, and both backends detect, skip and report a non-finite gradient the same way.
 #pragma once
 
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "llmpar/backend/cpu/adamw.hpp"
 #include "llmpar/backend/cpu/convert.hpp"
@@ -30,7 +34,6 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/nn/parameter.hpp"
-#include "llmpar/nn/tensor_parallel.hpp"
 
 namespace llmpar::optim {
 
@@ -70,12 +73,35 @@ inline double clip_factor(double norm, float max_norm) {
   return max_norm > 0.0f && norm > max_norm ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
 }
 
+// What one optimizer updates: its elements of the parameters, as segments (a whole
+// parameter, or the part of it in a ZeRO shard). Pointers are in the backend's memory.
+template <class T>
+struct Segment {
+  T* value = nullptr;           // (n) the parameter's storage-type values
+  acc_t<T>* grad = nullptr;     // (n) their gradients (f32 main grads for 16-bit T)
+  std::int64_t n = 0;           // elements
+  bool decay = false;           // weight decay applies
+};
+
+// Every parameter of a store, whole: the optimizer of a run without ZeRO sharding.
+template <class T, class Space>
+std::vector<Segment<T>> whole_store(nn::ParameterStore<T, Space>& store) {
+  std::vector<Segment<T>> out;
+  for (nn::Parameter<T>* p : store.parameters()) out.push_back({p->value, p->grad, p->numel(), p->decay});
+  return out;
+}
+
 // L2 norm of all gradients of a store, deterministic whatever the thread count.
 template <class T>
 double gradient_norm(const nn::ParameterStore<T>& store) {
   return std::sqrt(backend::cpu::sum_of_squares(store.grads(), store.flat_size()));
 }
 
+// AdamW over a shard: the moments (and, for a 16-bit model, the f32 master weights) of
+// the shard's elements, laid out segment after segment. The optimizer knows nothing of
+// groups: the global norm over tensor, data and ZeRO shards is the data-parallel
+// strategy's (parallel::GradSync); gradient_norm() here is the norm of this shard alone,
+// for a run that has one rank.
 template <class T>
 class AdamW {
  public:
@@ -87,67 +113,63 @@ class AdamW {
   // own master.
   static constexpr bool kSeparateMaster = !std::is_same_v<T, Master>;
 
-  AdamW(nn::ParameterStore<T>& store, const AdamWConfig& cfg) : store_(store), cfg_(cfg) {
+  AdamW(std::vector<Segment<T>> shard, const AdamWConfig& cfg) : shard_(std::move(shard)), cfg_(cfg) {
     cfg.validate();
-    m_.resize(store.flat_size());
-    v_.resize(store.flat_size());
+    std::int64_t total = 0;
+    for (const Segment<T>& s : shard_) {
+      offsets_.push_back(total);
+      total += s.n;
+    }
+    m_.resize(total);
+    v_.resize(total);
     m_.zero();
     v_.zero();
     if constexpr (kSeparateMaster) {
-      master_.resize(store.flat_size());
-      backend::cpu::convert(master_.data(), store.values(), store.flat_size());
+      master_.resize(total);
+      for (std::size_t k = 0; k < shard_.size(); ++k)
+        backend::cpu::convert(master_.data() + offsets_[k], shard_[k].value, shard_[k].n);
     }
   }
+  // Every parameter of a store (one rank, or replicas that each update everything).
+  AdamW(nn::ParameterStore<T>& store, const AdamWConfig& cfg) : AdamW(whole_store(store), cfg) {}
 
-  // The model is split over a tensor-parallel group: the global gradient norm then sums
-  // the split parameters' squares over the group (each rank holds a slice) and counts
-  // the replicated ones once (every rank holds the same gradient); whether a gradient
-  // is inf/NaN is decided over the group too, so every rank of it skips together.
-  void set_model_parallel(nn::TensorParallelGroup tp) { tp_ = tp; }
+  // The sum of squares of this shard's stored gradients (loss scale included).
+  double sum_of_squares() const {
+    double squares = 0.0;
+    for (const Segment<T>& s : shard_) squares += backend::cpu::sum_of_squares(s.grad, s.n);
+    return squares;
+  }
 
-  // The global norm of the unscaled gradient (the stored gradients times
-  // inv_loss_scale) and whether every gradient is finite.
+  // The norm of this shard's unscaled gradient (the stored gradients times
+  // inv_loss_scale) and whether it is finite: the global norm when the shard is the
+  // whole model of a one-rank run.
   GradNorm gradient_norm(float inv_loss_scale = 1.0f) const {
-    const double inv2 = static_cast<double>(inv_loss_scale) * static_cast<double>(inv_loss_scale);
-    if (!tp_.split()) {
-      const double squares = backend::cpu::sum_of_squares(store_.grads(), store_.flat_size()) * inv2;
-      return {std::sqrt(squares), std::isfinite(squares)};
-    }
-    double split = 0.0, replicated = 0.0;
-    for (const nn::Parameter<T>* p : store_.parameters())
-      (p->split.is_split() ? split : replicated) += backend::cpu::sum_of_squares(p->grad, p->numel());
-    split *= inv2;
-    replicated *= inv2;
-    // One reduction: the split part's sum and the count of ranks with a non-finite part.
-    std::array<float, 2> parts{static_cast<float>(split),
-                               std::isfinite(split) && std::isfinite(replicated) ? 0.f : 1.f};
-    tp_.all_reduce(parts.data(), 2);
-    const double squares = static_cast<double>(parts[0]) + replicated;
-    return {std::sqrt(squares), parts[1] == 0.0f && std::isfinite(squares)};
+    const double squares = sum_of_squares() * static_cast<double>(inv_loss_scale) * inv_loss_scale;
+    return {std::sqrt(squares), std::isfinite(squares)};
   }
 
   // One update at learning rate `lr` (already scheduled): each gradient times
-  // inv_loss_scale and the clip factor of norm.norm. The norm must be finite.
+  // inv_loss_scale and the clip factor of norm.norm (the global norm). It must be finite.
   void update(float lr, const GradNorm& norm, float inv_loss_scale = 1.0f) {
     LLMPAR_CHECK(norm.finite, "AdamW::update with a non-finite gradient norm (", norm.norm,
                  "); skip the step instead (the trainer does, and its loss scaler backs off)");
     ++step_;
     const float grad_scale =
         static_cast<float>(static_cast<double>(inv_loss_scale) * clip_factor(norm.norm, cfg_.grad_clip));
-    const T* base = store_.values();
-    for (nn::Parameter<T>* p : store_.parameters()) {
-      const std::int64_t offset = p->value - base;
-      const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, p->decay ? cfg_.weight_decay : 0.0f};
+    for (std::size_t k = 0; k < shard_.size(); ++k) {
+      const Segment<T>& s = shard_[k];
+      const std::int64_t offset = offsets_[k];
+      const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, s.decay ? cfg_.weight_decay : 0.0f};
       if constexpr (kSeparateMaster)
-        backend::cpu::adamw_update_master(master_.data() + offset, p->value, m_.data() + offset, v_.data() + offset,
-                                          p->grad, p->numel(), hp, step_, grad_scale);
+        backend::cpu::adamw_update_master(master_.data() + offset, s.value, m_.data() + offset, v_.data() + offset,
+                                          s.grad, s.n, hp, step_, grad_scale);
       else
-        backend::cpu::adamw_update(p->value, m_.data() + offset, v_.data() + offset, p->grad, p->numel(), hp, step_,
+        backend::cpu::adamw_update(s.value, m_.data() + offset, v_.data() + offset, s.grad, s.n, hp, step_,
                                    grad_scale);
     }
   }
 
-  // gradient_norm and update in one call; a non-finite gradient skips the update.
+  // gradient_norm and update in one call (one rank); a non-finite gradient skips the update.
   StepResult step(float lr, float inv_loss_scale = 1.0f) {
     const GradNorm g = gradient_norm(inv_loss_scale);
     if (g.finite) update(lr, g, inv_loss_scale);
@@ -157,6 +179,8 @@ class AdamW {
   // Updates applied (a skipped step does not count: Adam's bias correction counts updates).
   int steps_taken() const { return step_; }
   const AdamWConfig& config() const { return cfg_; }
+  std::span<const Segment<T>> shard() const { return shard_; }
+  // Moments (and master weights) of the shard, segment after segment.
   Buffer<Master>& first_moment() { return m_; }
   Buffer<Master>& second_moment() { return v_; }
   // The f32 master weights of a 16-bit store (empty for float stores, whose values are
@@ -166,8 +190,8 @@ class AdamW {
   std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
 
  private:
-  nn::ParameterStore<T>& store_;
-  nn::TensorParallelGroup tp_;
+  std::vector<Segment<T>> shard_;
+  std::vector<std::int64_t> offsets_;
   AdamWConfig cfg_;
   Buffer<Master> m_, v_, master_;
   int step_ = 0;

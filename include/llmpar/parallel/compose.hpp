@@ -23,8 +23,8 @@
 // replicates nothing), so the defaults cost nothing.
 //
 // A policy that is accepted does what it says (DESIGN.md). The tags of algorithms that
-// are not built yet — every parallel::Pipeline<...>, parallel::Data<zero::Stage<K>> with
-// K > 0, recompute::Full and recompute::Selective — exist so that their names, kinds and
+// are not built yet — every parallel::Pipeline<...>, recompute::Full and
+// recompute::Selective — exist so that their names, kinds and
 // arguments are checked, but Compose rejects them with a sentence saying so
 // (detail::NotBuiltYet) rather than training something else; each is removed from that
 // list by the change that builds it.
@@ -407,14 +407,6 @@ struct NotBuiltYet<parallel::Pipeline<ScheduleTag>> {
                 "(parallel::NoPipeline, the default)");
   static constexpr bool kOk = true;
 };
-template <int N>
-struct NotBuiltYet<parallel::Data<zero::Stage<N>>> {
-  static_assert(kDependentFalse<zero::Stage<N>>,
-                "llmpar::Compose: parallel::Data<zero::Stage<K>> with K > 0 is not built yet: llmpar does not shard "
-                "optimizer state, gradients or parameters, so the run would replicate them all; use "
-                "parallel::Data<zero::Stage<0>> (the default)");
-  static constexpr bool kOk = true;
-};
 template <class Tag>
 requires std::is_same_v<Tag, recompute::Full>
 struct NotBuiltYet<Tag> {
@@ -465,9 +457,6 @@ template <class Tag>
 struct CheckBuilt : Passed {};
 template <class ScheduleTag>
 struct CheckBuilt<parallel::Pipeline<ScheduleTag>> : NotBuiltYet<parallel::Pipeline<ScheduleTag>> {};
-template <int N>
-requires(N > 0) struct CheckBuilt<parallel::Data<zero::Stage<N>>> : NotBuiltYet<parallel::Data<zero::Stage<N>>> {
-};
 template <class Tag>
 requires std::is_same_v<Tag, recompute::Full>
 struct CheckBuilt<Tag> : NotBuiltYet<Tag> {

@@ -31,6 +31,7 @@ struct StepStats {
   double loss_scale = 1.0;         // the loss scale this step's backward ran with (1 without a scaler)
   bool skipped = false;            // some gradient was inf/NaN: the update was not applied
   std::int64_t skipped_total = 0;  // skipped steps so far, this one included
+  double comm_ms = 0.0;            // communication the step waited for (what overlap did not hide)
 };
 
 // Model FLOPs per trained token (forward and backward).
@@ -67,7 +68,8 @@ class MetricsWriter {
            {"mfu", s.mfu},
            {"loss_scale", s.loss_scale},
            {"skipped", s.skipped},
-           {"skipped_total", s.skipped_total}});
+           {"skipped_total", s.skipped_total},
+           {"comm_ms", s.comm_ms}});
   }
 
  private:

@@ -14,20 +14,20 @@
 // The policy defaults to the one the model's type implies (PolicyOf<Model>).
 //
 // A step whose gradient holds inf/NaN on any rank is skipped on every rank: the
-// optimizer's norm decides it over the tensor-parallel group and the trainer reduces
-// the verdict over the replicas, so all ranks see the same verdict, skip together and
-// keep the same scaler state. Without a scaler a skipped step is still reported
-// (StepStats::skipped, the metrics log), never applied.
+// data-parallel strategy's global norm reduces the verdict over every rank with the
+// norm, so all ranks see the same verdict, skip together and keep the same scaler
+// state. Without a scaler a skipped step is still reported (StepStats::skipped, the
+// metrics log), never applied.
 //
-// Replicas: given a communicator over ranks that hold the same model (each reading its
-// own rows of the global batch, see data::DataLoader), the trainer averages gradients
-// and losses over it before the optimizer step, so N ranks with batch B compute the
-// run one rank computes with batch N*B. This is plain replication — every rank keeps
-// the whole optimizer state; sharding it is what the data-parallel strategies add.
+// Data parallelism: every gradient collective of a step belongs to the policy's
+// parallel::GradSync (parallel/grad_sync.hpp), built from the Grid's groups: the bucketed
+// dp reduction overlapped with backward, ZeRO's shards (Policy::kZeroStage), the
+// sequence-parallel norm sums, the global norm. The optimizer is built for the rank's
+// shard. N dp ranks with micro-batch B compute the run one rank computes with B·N.
 //
 // Backends: the model names its backend tag (Model::BackendTag); the trainer takes that
 // backend's context and builds that backend's optimizer. On the CUDA backend the
-// gradients live on the device, so the replicas' communicator must be NCCL.
+// gradients live on the device, so the dp communicator must be NCCL.
 #pragma once
 
 #include <array>
@@ -46,6 +46,7 @@
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
+#include "llmpar/parallel/grad_sync.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
@@ -57,8 +58,10 @@ struct TrainerConfig {
   std::int64_t grad_accum = 1;                       // micro-batches per optimizer step
   double peak_gflops = 0.0;                          // MFU denominator; 0 leaves MFU at 0
   precision::DynamicLossScale::Config loss_scale{};  // FP16Mixed's scaler (unused otherwise)
+  parallel::DataConfig data{};                       // buckets and overlap of data parallelism
 
   void validate() const {
+    data.validate();
     LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
     LLMPAR_CHECK(grad_accum > 0, "grad_accum is ", grad_accum, "; use at least 1 micro-batch per step");
     LLMPAR_CHECK(peak_gflops >= 0.0, "peak_gflops is ", peak_gflops, "; it must be >= 0");
@@ -95,6 +98,7 @@ class Trainer {
   using Optimizer = typename Backend::template Optimizer<T>;
   using Precision = typename Policy::precision;
   using Scaler = precision::ScalerFor<Precision>;
+  using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
   static_assert(std::is_same_v<typename Policy::backend, Backend>,
                 "llmpar::train::Trainer: the policy's backend is not the model's; compose the policy with the "
                 "model's backend tag (Model::BackendTag)");
@@ -104,34 +108,24 @@ class Trainer {
                 "instantiate the model for Policy::precision::Compute (float for precision::FP32, bf16 for "
                 "precision::BF16Mixed, f16 for precision::FP16Mixed<...>)");
 
-  // `replicas`: the ranks holding copies of this model (nullptr: this rank alone).
+  // `groups`: the Grid's groups (parallel::Groups::of(grid)); empty: this rank alone.
   Trainer(Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
-          data::DataLoader& train, const TrainerConfig& cfg, comm::Comm* replicas = nullptr)
+          data::DataLoader& train, const TrainerConfig& cfg, parallel::Groups groups = {})
       : ctx_(ctx),
         model_(model),
-        optimizer_(Backend::make_optimizer(ctx, model.parameter_store(), opt)),
+        sync_(ctx, model, groups, (cfg.validate(), cfg.data)),
+        optimizer_(Backend::make_optimizer(ctx, sync_.optimizer_shard(), opt)),
         scaler_(scaler_config(cfg)),
         schedule_(schedule),
         train_(train),
         cfg_(cfg),
-        replicas_(replicas && replicas->size() > 1 ? replicas : nullptr) {
-    cfg.validate();
+        replicas_(sync_.dp()) {
     schedule.validate();
-    // A model split over a tensor-parallel group: clipping takes the norm of the whole
-    // model's gradient (the split parameters' squares summed over the group).
-    if constexpr (requires { model.tensor_parallel(); }) {
-      if (model.tensor_parallel().split()) optimizer_.set_model_parallel(model.tensor_parallel());
-    }
-    if (replicas_ && !Backend::Space::kHostAccessible) {
-      LLMPAR_CHECK(replicas_->engine_name() == std::string_view("nccl"), "the ", Backend::kName,
-                   " backend keeps gradients in device memory, which the ", replicas_->engine_name(),
-                   " communicator cannot read; launch the ranks with mpirun on a build with NCCL");
-    }
     if (replicas_) {
       LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
                    "the training loader reads as rank ", train.config().rank, " of ", train.config().world,
-                   " but the replicas are rank ", replicas_->rank(), " of ", replicas_->size(),
-                   "; build its LoaderConfig with the replicas' rank and size");
+                   " but the data-parallel group is rank ", replicas_->rank(), " of ", replicas_->size(),
+                   "; build its LoaderConfig with the dp group's rank and size");
     }
   }
 
@@ -141,38 +135,31 @@ class Trainer {
     const auto& lc = train_.config();
     const std::int64_t batch = lc.batch_size, seq = lc.seq_len;
     const float loss_scale = scaler_.scale();
-    model_.zero_grad(ctx_);
+    sync_.begin_step();
     double loss = 0.0;
     for (std::int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
       const data::Batch b = train_.next();
+      sync_.begin_micro_batch(micro == cfg_.grad_accum - 1);
       loss += model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq,
                              loss_scale / static_cast<float>(cfg_.grad_accum));
       model_.backward(ctx_);
+      sync_.end_micro_batch();
     }
     loss /= static_cast<double>(cfg_.grad_accum);
-    if constexpr (requires { model_.tensor_parallel(); })
-      nn::sum_sequence_parallel_gradients<Backend>(ctx_, model_.parameter_store(), model_.tensor_parallel());
-    if (replicas_) {
-      auto& store = model_.parameter_store();
-      replicas_->all_reduce(std::span<float>(store.grads(), static_cast<std::size_t>(store.flat_size())),
-                            comm::ReduceOp::avg);
-      loss = average(loss);
-    }
+    sync_.finish();
+    if (replicas_) loss = average(loss);
     if (gradient_hook_) gradient_hook_(model_);
     LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
                  "; lower --lr, raise --warmup, or check the data");
     const float lr = schedule_(step_);
-    // The norm and its verdict over the model-parallel group, then over the replicas.
+    // The norm and its verdict over every rank.
     const float inv_scale = 1.0f / loss_scale;
-    const optim::GradNorm norm = optimizer_.gradient_norm(inv_scale);
-    bool found_inf = !norm.finite;
-    if (replicas_) {
-      std::array<float, 1> flag{found_inf ? 1.0f : 0.0f};
-      replicas_->all_reduce(flag, comm::ReduceOp::max);
-      found_inf = flag[0] != 0.0f;
+    const optim::GradNorm norm = sync_.gradient_norm(inv_scale);
+    const precision::ScaleUpdate verdict = scaler_.update(!norm.finite, step_ + 1);
+    if (!verdict.skipped) {
+      optimizer_.update(lr, norm, inv_scale);
+      sync_.after_update();
     }
-    const precision::ScaleUpdate verdict = scaler_.update(found_inf, step_ + 1);
-    if (!verdict.skipped) optimizer_.update(lr, norm, inv_scale);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     StepStats s;
@@ -184,6 +171,7 @@ class Trainer {
     s.loss_scale = loss_scale;
     s.skipped = verdict.skipped;
     s.skipped_total = scaler_.skipped_steps();
+    s.comm_ms = 1e3 * sync_.exposed_communication_seconds();
     const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum * (replicas_ ? replicas_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
@@ -194,9 +182,9 @@ class Trainer {
     return s;
   }
 
-  // Called once per step after the gradients are complete (summed over the
-  // sequence-parallel group and averaged over the replicas) and before the norm and the
-  // update: to inspect them, or to inject a fault in a test.
+  // Called once per step after the gradients are complete (reduced over dp, summed over
+  // the sequence-parallel group; under ZeRO 2 and 3 only sync().for_each_owned reaches
+  // them) and before the norm and the update: to inspect them, or to inject a fault.
   void set_gradient_hook(std::function<void(Model&)> hook) { gradient_hook_ = std::move(hook); }
 
   // Mean loss over `batches` batches of `loader` (no gradient state is touched).
@@ -219,6 +207,14 @@ class Trainer {
 
   std::int64_t steps_done() const { return step_; }
   Optimizer& optimizer() { return optimizer_; }
+  Sync& sync() { return sync_; }
+  // Bytes per rank: parameters, gradients, optimizer state, activations, buffers.
+  parallel::MemoryReport memory() const {
+    parallel::MemoryReport r = sync_.memory();
+    r.optimizer = optimizer_.state_bytes();
+    if constexpr (requires { model_.activation_bytes(); }) r.activations = model_.activation_bytes();
+    return r;
+  }
   const Scaler& loss_scaler() const { return scaler_; }
 
  private:
@@ -238,6 +234,7 @@ class Trainer {
 
   Context& ctx_;
   Model& model_;
+  Sync sync_;
   Optimizer optimizer_;
   Scaler scaler_;
   std::function<void(Model&)> gradient_hook_;

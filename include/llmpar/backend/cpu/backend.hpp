@@ -36,8 +36,8 @@ struct Cpu {
   template <class T>
   using Optimizer = optim::AdamW<T>;
   template <class T>
-  static Optimizer<T> make_optimizer(Context&, nn::ParameterStore<T>& store, const optim::AdamWConfig& cfg) {
-    return Optimizer<T>(store, cfg);
+  static Optimizer<T> make_optimizer(Context&, std::vector<optim::Segment<T>> shard, const optim::AdamWConfig& cfg) {
+    return Optimizer<T>(std::move(shard), cfg);
   }
 
   // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; C is T, or acc_t<T> (f32 main grads).
@@ -169,6 +169,11 @@ struct Cpu {
     if (n > 0) std::memset(static_cast<void*>(p), 0, static_cast<std::size_t>(n) * sizeof(T));
   }
   static void synchronize(Context&) {}
+  // Σ x² of n elements, deterministic whatever the thread count.
+  template <class G>
+  static double sum_of_squares(Context&, const G* x, std::int64_t n) {
+    return cpu::sum_of_squares(x, n);
+  }
 };
 
 }  // namespace llmpar::backend

@@ -75,85 +75,95 @@ class Context {
   DeviceBuffer<std::byte> scratch_;
 };
 
-// AdamW over a ParameterStore in device memory: the same update as optim::AdamW (same
-// clipping rule, same per-parameter weight decay, the same two calls a step), with f32
-// master weights for a bf16/f16 store (the update writes the 16-bit working copy in the
-// same kernel: kernels::AdamWPlan<float, T>).
+// AdamW over a shard of a ParameterStore in device memory: the same update as
+// optim::AdamW (same clipping rule, same per-parameter weight decay, the same calls a
+// step), with f32 master weights for a bf16/f16 store (the update writes the 16-bit
+// working copy in the same kernel: kernels::AdamWPlan<float, T>).
 //
-// gradient_norm() runs the norm kernels (and, split over a tensor-parallel group, one
-// all-reduce of two floats), reads the norm back and decides on the host whether every
-// gradient is finite, as the CPU optimizer does; the trainer then skips the step or calls
-// update(), which launches the update and returns without waiting. The step kernel's own
-// device check (found_inf) stays as a guard; it cannot fire for a step the host let
-// through.
+// sum_of_squares() runs the norm kernels over the shard and reads the sum back; the
+// global norm over every group is parallel::GradSync's, which passes it to update().
+// update() puts the norm's square on the device for the step kernel's clip factor and
+// returns without waiting. The step kernel's own device check (found_inf) stays as a
+// guard; it cannot fire for a step the host let through.
 template <class T>
 class AdamW {
  public:
   using Store = nn::ParameterStore<T, memory::Device>;
   static constexpr bool kSeparateMaster = !std::is_same_v<T, float>;
 
-  AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg)
-      : ctx_(ctx), store_(store), cfg_(cfg), m_(store.flat_size()), v_(store.flat_size()), norm_sq_(3), found_inf_(1) {
+  AdamW(Context& ctx, std::vector<optim::Segment<T>> shard, const optim::AdamWConfig& cfg)
+      : ctx_(ctx), shard_(std::move(shard)), cfg_(cfg), norm_sq_(1), found_inf_(1) {
     cfg.validate();
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(m_.data(), 0, m_.bytes(), ctx.stream()));
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(v_.data(), 0, v_.bytes(), ctx.stream()));
+    std::int64_t total = 0;
+    for (const auto& s : shard_) {
+      offsets_.push_back(total);
+      total += s.n;
+    }
+    m_.resize(total);
+    v_.resize(total);
+    if (total > 0) {
+      LLMPAR_CHECK_CUDA(cudaMemsetAsync(m_.data(), 0, m_.bytes(), ctx.stream()));
+      LLMPAR_CHECK_CUDA(cudaMemsetAsync(v_.data(), 0, v_.bytes(), ctx.stream()));
+    }
     LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, found_inf_.bytes(), ctx.stream()));
     if constexpr (kSeparateMaster) {
-      master_.resize(store.flat_size());
-      if (store.flat_size() > 0) kernels::convert(ctx.stream(), master_.data(), store.values(), store.flat_size());
+      master_.resize(total);
+      for (std::size_t k = 0; k < shard_.size(); ++k)
+        if (shard_[k].n > 0) kernels::convert(ctx.stream(), master_.data() + offsets_[k], shard_[k].value, shard_[k].n);
     }
-    plan_.emplace(ctx.stream(), tensors([](const nn::Parameter<T>&) { return true; }));
+    std::vector<kernels::AdamWTensor<float, T>> tensors;
+    for (std::size_t k = 0; k < shard_.size(); ++k) {
+      const auto& s = shard_[k];
+      float* master = nullptr;
+      T* param = nullptr;
+      if constexpr (kSeparateMaster) {
+        master = master_.data() + offsets_[k];
+        param = s.value;
+      } else {
+        master = s.value;
+      }
+      tensors.push_back({.master = master,
+                         .param = param,
+                         .grad = s.grad,
+                         .m = m_.data() + offsets_[k],
+                         .v = v_.data() + offsets_[k],
+                         .n = s.n,
+                         .decay = s.decay});
+    }
+    plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<float, T>>(tensors));
+  }
+  AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg) : AdamW(ctx, optim::whole_store(store), cfg) {}
+
+  // Σ grad² over the shard (loss scale included), on the host.
+  double sum_of_squares() {
+    float host = 0.0f;
+    if (plan_->num_tensors() == 0) return 0.0;
+    plan_->grad_norm_squared(ctx_.stream(), norm_sq_.data(), ctx_.scratch_floats(plan_->workspace_floats()));
+    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(&host, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream()));
+    ctx_.synchronize();
+    return static_cast<double>(host);
   }
 
-  // A model split over a tensor-parallel group: the gradient norm sums the squares of
-  // the split parameters (each rank holds a different slice) over the group and counts
-  // the replicated ones (the same on every rank) once, as optim::AdamW does; whether a
-  // gradient is inf/NaN is decided over the group. The group must reduce device memory
-  // (NCCL).
-  void set_model_parallel(nn::TensorParallelGroup tp) {
-    tp_ = tp;
-    if (!tp.split()) return;
-    split_plan_.emplace(ctx_.stream(), tensors([](const nn::Parameter<T>& p) { return p.split.is_split(); }));
-    replicated_plan_.emplace(ctx_.stream(), tensors([](const nn::Parameter<T>& p) { return !p.split.is_split(); }));
-  }
-
-  // The global norm of the unscaled gradient and whether every gradient is finite;
-  // leaves the total (scaled) sum of squares on the device for update().
+  // The norm of this shard's unscaled gradient: the global norm of a one-rank run.
   optim::GradNorm gradient_norm(float inv_loss_scale = 1.0f) {
-    const cudaStream_t stream = ctx_.stream();
-    float host[3] = {0.0f, 0.0f, 0.0f};
-    bool finite = true;
-    if (tp_.split()) {
-      // [0] split part, [1] replicated part (both summed over the group: the norm's split
-      // part, and the verdict on the replicated part), [2] this rank's replicated part.
-      squares(*split_plan_, norm_sq_.data());
-      squares(*replicated_plan_, norm_sq_.data() + 1);
-      LLMPAR_CHECK_CUDA(
-          cudaMemcpyAsync(norm_sq_.data() + 2, norm_sq_.data() + 1, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      ctx_.synchronize();  // the group's reduction starts from the host
-      tp_.all_reduce(norm_sq_.data(), 2);
-      kernels::add_inplace(stream, norm_sq_.data(), norm_sq_.data() + 2, 1);
-      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, norm_sq_.data(), 3 * sizeof(float), cudaMemcpyDeviceToHost, stream));
-      ctx_.synchronize();
-      finite = std::isfinite(host[1]);
-    } else {
-      squares(*plan_, norm_sq_.data());
-      LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream));
-      ctx_.synchronize();
-    }
-    const double squares_total = static_cast<double>(host[0]);
-    finite = finite && std::isfinite(squares_total);
-    return {std::sqrt(squares_total) * static_cast<double>(inv_loss_scale), finite};
+    const double squares = sum_of_squares();
+    return {std::sqrt(squares) * static_cast<double>(inv_loss_scale), std::isfinite(squares)};
   }
 
-  // One update at learning rate lr from the last gradient_norm(); queued, not waited for.
+  // One update at learning rate lr with the global norm `norm`; queued, not waited for.
   void update(float lr, const optim::GradNorm& norm, float inv_loss_scale = 1.0f) {
     LLMPAR_CHECK(norm.finite, "cuda::AdamW::update with a non-finite gradient norm (", norm.norm,
                  "); skip the step instead (the trainer does, and its loss scaler backs off)");
     ++step_;
     const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
+    // The kernel computes the norm as sqrt(norm_sq) * inv_loss_scale.
+    const double scaled = norm.norm / static_cast<double>(inv_loss_scale);
+    host_norm_sq_ = static_cast<float>(scaled * scaled);
+    LLMPAR_CHECK_CUDA(
+        cudaMemcpyAsync(norm_sq_.data(), &host_norm_sq_, sizeof(float), cudaMemcpyHostToDevice, ctx_.stream()));
     LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx_.stream()));
     plan_->step(ctx_.stream(), hp, step_, norm_sq_.data(), inv_loss_scale, cfg_.grad_clip, found_inf_.data());
+    ctx_.synchronize();  // host_norm_sq_ is read by the copy
   }
 
   // gradient_norm and update in one call; a non-finite gradient skips the update.
@@ -165,58 +175,24 @@ class AdamW {
 
   int steps_taken() const { return step_; }
   const optim::AdamWConfig& config() const { return cfg_; }
+  std::span<const optim::Segment<T>> shard() const { return shard_; }
   std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
-  // The optimizer's state, laid out like the store (as optim::AdamW exposes its own).
+  // The optimizer's state, segment after segment (as optim::AdamW lays out its own).
   Buffer<float, memory::Device>& first_moment() { return m_; }
   Buffer<float, memory::Device>& second_moment() { return v_; }
   // The f32 master weights of a 16-bit store (empty for a float store).
   Buffer<float, memory::Device>& master_weights() { return master_; }
 
  private:
-  // The plan's tensors: the store's parameters that `keep` selects.
-  template <class Keep>
-  std::vector<kernels::AdamWTensor<float, T>> tensors(Keep keep) {
-    std::vector<kernels::AdamWTensor<float, T>> out;
-    const T* base = store_.values();
-    for (nn::Parameter<T>* p : store_.parameters()) {
-      if (!keep(*p)) continue;
-      const std::int64_t offset = p->value - base;
-      float* master = nullptr;
-      T* param = nullptr;
-      if constexpr (kSeparateMaster) {
-        master = master_.data() + offset;
-        param = p->value;
-      } else {
-        master = p->value;
-      }
-      out.push_back({.master = master,
-                     .param = param,
-                     .grad = p->grad,
-                     .m = m_.data() + offset,
-                     .v = v_.data() + offset,
-                     .n = p->numel(),
-                     .decay = p->decay});
-    }
-    return out;
-  }
-  // norm_sq (1, device) = Σ grad² over the plan's tensors (0 for none).
-  void squares(const kernels::AdamWPlan<float, T>& plan, float* norm_sq) {
-    if (plan.num_tensors() == 0) {
-      LLMPAR_CHECK_CUDA(cudaMemsetAsync(norm_sq, 0, sizeof(float), ctx_.stream()));
-      return;
-    }
-    plan.grad_norm_squared(ctx_.stream(), norm_sq, ctx_.scratch_floats(plan.workspace_floats()));
-  }
-
   Context& ctx_;
-  Store& store_;
+  std::vector<optim::Segment<T>> shard_;
+  std::vector<std::int64_t> offsets_;
   optim::AdamWConfig cfg_;
   Buffer<float, memory::Device> m_, v_, master_;
-  Buffer<float, memory::Device> norm_sq_;  // (3): the total (or split part), the replicated part, its local copy
+  Buffer<float, memory::Device> norm_sq_;  // (1)
   Buffer<int, memory::Device> found_inf_;
-  std::optional<kernels::AdamWPlan<float, T>> plan_;                          // every parameter: the update
-  std::optional<kernels::AdamWPlan<float, T>> split_plan_, replicated_plan_;  // tensor parallelism: the norm's parts
-  nn::TensorParallelGroup tp_;
+  float host_norm_sq_ = 0.0f;
+  std::optional<kernels::AdamWPlan<float, T>> plan_;
   int step_ = 0;
 };
 
@@ -234,8 +210,9 @@ struct Cuda {
   template <class T>
   using Optimizer = cuda::AdamW<T>;
   template <class T>
-  static Optimizer<T> make_optimizer(Context& ctx, nn::ParameterStore<T, Space>& store, const optim::AdamWConfig& cfg) {
-    return Optimizer<T>(ctx, store, cfg);
+  static Optimizer<T> make_optimizer(Context& ctx, std::vector<optim::Segment<T>> shard,
+                                     const optim::AdamWConfig& cfg) {
+    return Optimizer<T>(ctx, std::move(shard), cfg);
   }
 
   // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; a bias becomes cuBLASLt's bias epilogue. C is T,
@@ -385,6 +362,11 @@ struct Cuda {
     if (n > 0) LLMPAR_CHECK_CUDA(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), ctx.stream()));
   }
   static void synchronize(Context& ctx) { ctx.synchronize(); }
+  // Σ x² of n device floats, on the host (waits for the stream).
+  static double sum_of_squares(Context& ctx, const float* x, std::int64_t n) {
+    auto* workspace = static_cast<double*>(ctx.scratch(sizeof(double) * kernels::kSumOfSquaresWorkspace));
+    return kernels::sum_of_squares(ctx.stream(), x, n, workspace);
+  }
 };
 
 }  // namespace llmpar::backend

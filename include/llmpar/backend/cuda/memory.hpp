@@ -212,6 +212,14 @@ struct Device {
     LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
     LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
   }
+  // n elements within device memory, fenced like the others.
+  template <class T>
+  static void copy(T* dst, const T* src, std::int64_t n) {
+    if (n <= 0) return;
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
+    LLMPAR_CHECK_CUDA(cudaMemcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice));
+    LLMPAR_CHECK_CUDA(cudaDeviceSynchronize());
+  }
   static constexpr bool kHostAccessible = false;
 };
 }  // namespace llmpar::memory

@@ -1,0 +1,153 @@
+// What the data-parallel equivalence tests share (thread ranks and MPI processes): five
+// training steps of GPT-2 through train::Trainer under a composed ZeRO stage, with the
+// reduced gradients of the first step and the final parameters written into full
+// tensors by the ranks that own them, to be compared with the serial run.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "llmpar/backend/cpu/backend.hpp"
+#include "llmpar/comm/grid.hpp"
+#include "llmpar/comm/init.hpp"
+#include "llmpar/data/dataset.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/parallel/compose.hpp"
+#include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/train/trainer.hpp"
+
+namespace llmpar::dp_test {
+
+inline models::GPT2Config config() {
+  return {.layers = 2, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
+}
+
+// A fixed token stream (no shuffling, so every layout reads the same global batches).
+inline std::vector<std::uint16_t> tokens(std::int64_t n = 20000) {
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(n));
+  const auto stream = rng::Stream::named(5, "dp tokens");
+  for (std::int64_t i = 0; i < n; ++i)
+    out[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % 50);
+  return out;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> grads;   // per parameter (model order), full tensor: step 1's reduced gradient
+  std::vector<std::vector<float>> params;  // per parameter, full tensor, after the last step
+  std::vector<std::string> names;
+  parallel::MemoryReport memory;           // rank 0's
+  std::int64_t local_parameters = 0;       // rank 0's Ψ: elements of its (tp-split) model
+  int max_gathered_units = 0;
+};
+
+struct Layout {
+  int micro_batch = 2;  // sequences per rank and micro-batch
+  int accum = 1;        // micro-batches per step
+  int steps = 5;
+  std::int64_t bucket_bytes = 4096;  // small: several buckets even in the test model
+  bool overlap = true;
+};
+
+// Writes elements [first, first + n) of p's local tensor (values or gradients) into
+// full at their positions in the full tensor.
+template <class T, class V>
+void scatter(const nn::Parameter<T>& p, std::int64_t first, const V* local, std::int64_t n, std::vector<float>& full) {
+  full.resize(static_cast<std::size_t>(p.full_numel()));
+  for (std::int64_t i = 0; i < n; ++i)
+    full[static_cast<std::size_t>(nn::full_index(p.shape, p.split, first + i))] = static_cast<float>(local[i]);
+}
+
+// One rank's run: `world` is every rank, split as tp x dp by the Grid. Each rank writes
+// what it owns into `run` under the mutex (thread ranks share it; MPI ranks gather
+// afterwards).
+template <class Policy>
+void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex& mutex) {
+  using T = typename Policy::precision::Compute;
+  using Model = models::GPT2<T, backend::Cpu>;
+  comm::Grid grid(world, {.tp = tp});
+  backend::cpu::Context ctx;
+  Model model(config(), 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()));
+  static const std::vector<std::uint16_t> stream = tokens();
+  const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
+  data::DataLoader loader(dataset, {.batch_size = layout.micro_batch,
+                                    .seq_len = 16,
+                                    .rank = grid.dp().rank(),
+                                    .world = grid.dp().size()});
+  // eps = 1e-2 for the reason given in tensor_parallel_test_util.hpp; clipping active.
+  train::Trainer<Model, Policy> trainer(
+      ctx, model, {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f},
+      {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = layout.steps}, loader,
+      {.steps = layout.steps,
+       .grad_accum = layout.accum,
+       .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap}},
+      parallel::Groups::of(grid));
+  const auto params = model.parameter_store().parameters();
+  auto index_of = [&](const nn::Parameter<T>& p) {
+    return static_cast<std::size_t>(std::find(params.begin(), params.end(), &p) - params.begin());
+  };
+  trainer.set_gradient_hook([&](Model&) {
+    if (trainer.steps_done() != 0) return;
+    const std::lock_guard<std::mutex> lock(mutex);
+    run.grads.resize(params.size());
+    trainer.sync().for_each_owned([&](const nn::Parameter<T>& p, std::int64_t first, const float* grad, const T*,
+                                      std::int64_t n) { scatter(p, first, grad, n, run.grads[index_of(p)]); });
+  });
+  std::vector<double> losses;
+  while (trainer.steps_done() < layout.steps) losses.push_back(trainer.step().loss);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (world.rank() == 0) {
+    run.losses = losses;
+    run.memory = trainer.memory();
+    run.local_parameters = model.parameter_store().numel();
+    run.max_gathered_units = trainer.sync().max_gathered_units();
+  }
+  run.params.resize(params.size());
+  run.names.resize(params.size());
+  for (std::size_t k = 0; k < params.size(); ++k) run.names[k] = params[k]->name;
+  trainer.sync().for_each_owned(
+      [&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value, std::int64_t n) {
+        scatter(p, first, value, n, run.params[index_of(p)]);
+      });
+}
+
+// max |a - b| over max |b|.
+inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
+  }
+  return worst / std::max(scale, 1e-30);
+}
+
+// The largest relative differences of the losses, the step-1 gradients and the final
+// parameters (each tensor against its serial counterpart).
+struct Difference {
+  double loss = 0.0, grad = 0.0, param = 0.0;
+  std::string worst_grad, worst_param;
+};
+inline Difference compare(const Run& run, const Run& serial) {
+  Difference d;
+  REQUIRE(run.losses.size() == serial.losses.size());
+  for (std::size_t s = 0; s < serial.losses.size(); ++s)
+    d.loss = std::max(d.loss, std::abs(run.losses[s] - serial.losses[s]) / std::abs(serial.losses[s]));
+  REQUIRE(run.grads.size() == serial.grads.size());
+  REQUIRE(run.params.size() == serial.params.size());
+  for (std::size_t k = 0; k < serial.grads.size(); ++k) {
+    const double g = relative_difference(run.grads[k], serial.grads[k]);
+    if (g > d.grad) d.grad = g, d.worst_grad = serial.names[k];
+    const double p = relative_difference(run.params[k], serial.params[k]);
+    if (p > d.param) d.param = p, d.worst_param = serial.names[k];
+  }
+  return d;
+}
+
+}  // namespace llmpar::dp_test
