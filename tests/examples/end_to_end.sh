@@ -17,9 +17,12 @@
 #                 is in the metrics
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
 #                 losses step by step (replicas average gradients); so do --ranks 2 --tp 2
-#                 --batch 8 (each block split over 2 ranks) and the same with --sp
-#                 (sequence parallel); bad --ranks, --tp and --sp are named
-#   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags)
+#                 --batch 8 (each block split over 2 ranks), the same with --sp
+#                 (sequence parallel), and ZeRO 1 (2 micro-batches from --global-batch),
+#                 2 (tp 2 x dp 2) and 3 (with and without overlap); bad --ranks, --tp and
+#                 --sp are named
+#   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags), and
+#                 ZeRO 3 over the two processes
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
@@ -87,6 +90,12 @@ case "$case" in
     no_step "cannot derive validation shards from --data 'data/small*.bin'" "$bin/train_gpt" --data 'data/small*.bin'
     no_step "--seq 30 is not divisible by --tp 4" "$bin/train_gpt" --ranks 4 --tp 4 --sp --seq 30
     expect_error "--precision: fp8 not in {fp32,bf16,fp16}" "$bin/train_gpt" --precision fp8
+    no_step "--global-batch 10 is not a multiple of --micro-batch 4 x dp 2 = 8" "$bin/train_gpt" --ranks 2 \
+      --global-batch 10 --micro-batch 4
+    no_step "--grad-accum 3 contradicts --global-batch 16 / (--micro-batch 8 x dp 1) = 2" "$bin/train_gpt" \
+      --global-batch 16 --batch 8 --grad-accum 3
+    no_step "--zero 4 is not a ZeRO stage; use 0 (replicated), 1" "$bin/train_gpt" --zero 4
+    no_step "--bucket-mb 0; the gradient bucket size must be a positive number of MiB" "$bin/train_gpt" --bucket-mb 0
     ;;
   mfu)
     for precision in fp32 bf16; do
@@ -120,16 +129,21 @@ case "$case" in
     "$bin/train_gpt" "${common[@]}" --batch 8 --metrics one.jsonl | tee one.txt
     if [[ "$case" == ranks ]]; then
       "$bin/train_gpt" "${common[@]}" --ranks 2 --batch 4 --metrics two.jsonl | tee two.txt
-      grep -q '2 ranks (thread; tp 1 x dp 2)' two.txt || fail "train_gpt --ranks 2 did not run two thread ranks"
+      grep -q '2 ranks (thread; tp 1 x dp 2, ZeRO 0)' two.txt || fail "train_gpt --ranks 2 did not run two thread ranks"
       # Tensor parallel: 2 ranks split every block and see the whole batch of 8.
       "$bin/train_gpt" "${common[@]}" --ranks 2 --tp 2 --batch 8 --metrics tp.jsonl | tee tp.txt
-      grep -q '2 ranks (thread; tp 2 x dp 1)' tp.txt || fail "train_gpt --ranks 2 --tp 2 did not split over tp 2"
+      grep -q '2 ranks (thread; tp 2 x dp 1, ZeRO 0)' tp.txt || fail "train_gpt --ranks 2 --tp 2 did not split over tp 2"
       "$bin/train_gpt" "${common[@]}" --ranks 2 --tp 2 --sp --batch 8 --metrics sp.jsonl | tee sp.txt
-      grep -q '2 ranks (thread; tp 2 sp x dp 1)' sp.txt || fail "train_gpt --tp 2 --sp did not run sequence parallel"
+      grep -q '2 ranks (thread; tp 2 sp x dp 1, ZeRO 0)' sp.txt || fail "train_gpt --tp 2 --sp did not run sequence parallel"
     else
       read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
       "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --batch 4 --metrics two.jsonl | tee two.txt
-      grep -q '2 ranks (mpi; tp 1 x dp 2)' two.txt || fail "mpirun -np 2 train_gpt did not run two MPI ranks"
+      grep -q '2 ranks (mpi; tp 1 x dp 2, ZeRO 0)' two.txt || fail "mpirun -np 2 train_gpt did not run two MPI ranks"
+      # ZeRO 3 over the two processes, the global batch of 8 as 2 micro-batches of 2 each.
+      "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --zero 3 --global-batch 8 --micro-batch 2 \
+        --metrics zero3.jsonl | tee zero3.txt
+      grep -q '2 ranks (mpi; tp 1 x dp 2, ZeRO 3) x micro-batch 2 x .*, grad accum 2 (global batch 8)' zero3.txt ||
+        fail "mpirun -np 2 train_gpt --zero 3 did not run ZeRO 3 with 2 micro-batches of 2"
     fi
     losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
     [[ $(losses one.jsonl | wc -l) == 5 ]] || fail "one.jsonl lacks 5 step losses"
@@ -139,7 +153,20 @@ case "$case" in
         if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (2 ranks)"; bad = 1 }
       } END { exit bad }' || fail "2 ranks did not reproduce the 1-rank losses"
     if [[ "$case" == ranks ]]; then
-      for layout in tp sp; do
+      # ZeRO: optimizer state (1), gradients (2) and parameters (3) sharded over dp 2;
+      # stage 1 with the global batch as 2 micro-batches of 2 per rank; stage 2 with tp 2
+      # x dp 2 on 4 ranks.
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --zero 1 --global-batch 8 --micro-batch 2 --metrics zero1.jsonl |
+        tee zero1.txt
+      grep -q 'tp 1 x dp 2, ZeRO 1) x micro-batch 2 x .*, grad accum 2 (global batch 8)' zero1.txt ||
+        fail "--zero 1 --global-batch 8 --micro-batch 2 did not accumulate 2 micro-batches"
+      "$bin/train_gpt" "${common[@]}" --ranks 4 --tp 2 --zero 2 --batch 4 --metrics zero2.jsonl | tee zero2.txt
+      grep -q 'memory per rank (start): ' zero2.txt || fail "train_gpt printed no memory line"
+      grep -q '"type":"memory"' zero2.jsonl || fail "the metrics log has no memory record"
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --zero 3 --batch 4 --bucket-mb 0.25 --metrics zero3.jsonl |
+        tee zero3.txt
+      "$bin/train_gpt" "${common[@]}" --ranks 2 --zero 3 --batch 4 --no-overlap --metrics zero3n.jsonl
+      for layout in tp sp zero1 zero2 zero3 zero3n; do
         paste <(losses one.jsonl) <(losses $layout.jsonl) | awk -v layout=$layout '{
             d = $1 - $2; if (d < 0) d = -d
             if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (" layout ")"; bad = 1 }
@@ -153,6 +180,12 @@ case "$case" in
       expect_error "--tp 3 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 3
       expect_error "heads (4) is not divisible by the tensor-parallel degree 8" "$bin/train_gpt" --ranks 8 --tp 8 \
         --steps 1
+    fi
+    if [[ "$case" == mpi ]]; then
+      paste <(losses one.jsonl) <(losses zero3.jsonl) | awk '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (ZeRO 3)"; bad = 1 }
+        } END { exit bad }' || fail "ZeRO 3 over 2 MPI processes did not reproduce the 1-rank losses"
     fi
     val1=$(grep 'val loss' one.txt | tail -1 | awk '{print $NF}')
     val2=$(grep 'val loss' two.txt | tail -1 | awk '{print $NF}')
