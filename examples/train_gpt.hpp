@@ -28,7 +28,7 @@ struct Options {
   std::optional<std::int64_t> grad_accum;      // micro-batches per step (default 1, or from --global-batch)
   std::optional<std::int64_t> global_batch;    // sequences per optimizer step over all dp ranks
   int zero = 0;                                // ZeRO stage
-  double bucket_mb = 16.0;                     // gradient bucket size, MiB of f32 gradients
+  double bucket_mb = 4.0;                      // gradient bucket size, MiB of f32 gradients
   bool overlap = true;                         // reduce buckets during backward
   float lr = 2e-3f;
   std::optional<std::int64_t> warmup;  // default: min(20, steps)

@@ -39,6 +39,7 @@ inline std::vector<std::uint16_t> tokens(std::int64_t n = 20000) {
 
 struct Run {
   std::vector<double> losses;
+  std::vector<double> norms;               // the global gradient norm of every step
   std::vector<std::vector<float>> grads;   // per parameter (model order), full tensor: step 1's reduced gradient
   std::vector<std::vector<float>> params;  // per parameter, full tensor, after the last step
   std::vector<std::string> names;
@@ -99,11 +100,16 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
     trainer.sync().for_each_owned([&](const nn::Parameter<T>& p, std::int64_t first, const float* grad, const T*,
                                       std::int64_t n) { scatter(p, first, grad, n, run.grads[index_of(p)]); });
   });
-  std::vector<double> losses;
-  while (trainer.steps_done() < layout.steps) losses.push_back(trainer.step().loss);
+  std::vector<double> losses, norms;
+  while (trainer.steps_done() < layout.steps) {
+    const train::StepStats s = trainer.step();
+    losses.push_back(s.loss);
+    norms.push_back(s.grad_norm);
+  }
   const std::lock_guard<std::mutex> lock(mutex);
   if (world.rank() == 0) {
     run.losses = losses;
+    run.norms = norms;
     run.memory = trainer.memory();
     run.local_parameters = model.parameter_store().numel();
     run.max_gathered_units = trainer.sync().max_gathered_units();
@@ -131,7 +137,7 @@ inline double relative_difference(const std::vector<float>& a, const std::vector
 // The largest relative differences of the losses, the step-1 gradients and the final
 // parameters (each tensor against its serial counterpart).
 struct Difference {
-  double loss = 0.0, grad = 0.0, param = 0.0;
+  double loss = 0.0, norm = 0.0, grad = 0.0, param = 0.0;
   std::string worst_grad, worst_param;
 };
 inline Difference compare(const Run& run, const Run& serial) {
@@ -139,6 +145,13 @@ inline Difference compare(const Run& run, const Run& serial) {
   REQUIRE(run.losses.size() == serial.losses.size());
   for (std::size_t s = 0; s < serial.losses.size(); ++s)
     d.loss = std::max(d.loss, std::abs(run.losses[s] - serial.losses[s]) / std::abs(serial.losses[s]));
+  // The global norm over every rank (each element counted once); the serial run's first
+  // norm exceeds the clip of 0.5, so clipping is active and a wrong norm would change
+  // the update.
+  REQUIRE(run.norms.size() == serial.norms.size());
+  REQUIRE(serial.norms.front() > 0.5);
+  for (std::size_t s = 0; s < serial.norms.size(); ++s)
+    d.norm = std::max(d.norm, std::abs(run.norms[s] - serial.norms[s]) / serial.norms[s]);
   REQUIRE(run.grads.size() == serial.grads.size());
   REQUIRE(run.params.size() == serial.params.size());
   for (std::size_t k = 0; k < serial.grads.size(); ++k) {

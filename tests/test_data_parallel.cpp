@@ -47,9 +47,10 @@ void check_against_serial(int dp, int tp, const dp_test::Layout& layout, double 
   const dp_test::Run run = run_on<PolicyOf<kStage, Precision, kSp>>(dp * tp, tp, layout);
   const dp_test::Difference d = dp_test::compare(run, reference);
   INFO("stage " << kStage << ", dp " << dp << ", tp " << tp << std::string(kSp == SequenceParallel::on ? " sp" : "")
-                << ", accumulation " << layout.accum << ": losses " << d.loss << ", gradients " << d.grad << " ("
+                << ", accumulation " << layout.accum << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " ("
                 << d.worst_grad << "), parameters " << d.param << " (" << d.worst_param << ")");
   CHECK(d.loss <= tolerance);
+  CHECK(d.norm <= tolerance);
   CHECK(d.grad <= tolerance);
   CHECK(d.param <= tolerance);
 }

@@ -48,11 +48,16 @@ void check_stage(const dp_test::Layout& layout) {
   losses.resize(serial.losses.size());
   world.broadcast(std::span<float>(losses), 0);  // rank 0 recorded them
   run.losses.assign(losses.begin(), losses.end());
+  std::vector<float> norms(run.norms.begin(), run.norms.end());
+  norms.resize(serial.norms.size());
+  world.broadcast(std::span<float>(norms), 0);
+  run.norms.assign(norms.begin(), norms.end());
   const dp_test::Difference d = dp_test::compare(run, serial);
   INFO("stage " << kStage << " over " << dp << " processes, accumulation " << layout.accum << ": losses " << d.loss
                 << ", gradients " << d.grad << " (" << d.worst_grad << "), parameters " << d.param << " ("
                 << d.worst_param << ")");
   CHECK(d.loss <= 1e-5);
+  CHECK(d.norm <= 1e-5);
   CHECK(d.grad <= 1e-5);
   CHECK(d.param <= 1e-5);
 }

@@ -77,7 +77,12 @@ namespace llmpar::parallel {
 
 // Settings of data parallelism (the stage is the policy's: parallel::Data<zero::Stage<K>>).
 struct DataConfig {
-  std::int64_t bucket_bytes = 16ll << 20;  // of f32 gradients per bucket (stages 0-2)
+  // Of f32 gradients per bucket (stages 0-2; stage 3 reduces per unit). Buckets close at
+  // unit boundaries, so a unit larger than this is one bucket. 4 MiB: in
+  // bench_data_parallel (2 ranks, threads and MPI processes) 1 and 4 MiB exposed the
+  // least communication, 16 and 64 MiB more (the last bucket, reduced after backward,
+  // is larger); 1 MiB would multiply the collectives of a model with small units.
+  std::int64_t bucket_bytes = 4ll << 20;
   bool overlap = true;                     // reduce buckets during backward (false: after it)
   bool trace = false;                      // record the order of events (tests)
 
@@ -233,6 +238,20 @@ class GradSync final : public nn::UnitHooks {
       LLMPAR_CHECK(dp_->engine_name() == std::string_view("nccl"), "the ", Backend::kName,
                    " backend keeps gradients in device memory, which the ", dp_->engine_name(),
                    " communicator cannot read; launch the ranks with mpirun on a build with NCCL");
+#if defined(LLMPAR_WITH_MPI)
+    // The communication thread calls MPI while the compute thread may too (tensor
+    // parallelism's collectives): that needs MPI_THREAD_MULTIPLE.
+    if (dp_ && cfg.overlap && dp_->engine_name() == std::string_view("mpi")) {
+      int level = MPI_THREAD_SINGLE;
+      MPI_Query_thread(&level);
+      LLMPAR_CHECK(level == MPI_THREAD_MULTIPLE,
+                   "overlapping the data-parallel reduction with backward calls MPI from a communication thread, "
+                   "but this MPI library provides only ",
+                   comm::detail::mpi::thread_level_name(level),
+                   "; use an MPI built with MPI_THREAD_MULTIPLE, or reduce after backward (DataConfig::overlap = "
+                   "false, train_gpt --no-overlap)");
+    }
+#endif
     dp_size_ = dp_ ? dp_->size() : 1;
     dp_rank_ = dp_ ? dp_->rank() : 0;
     plan_layout();
@@ -555,7 +574,9 @@ class GradSync final : public nn::UnitHooks {
     if (dp_ && cfg_.overlap) {
       t = comm_thread().submit(task);
     } else {
-      task();
+      const auto t0 = std::chrono::steady_clock::now();
+      task();  // on the compute thread: all of it is exposed
+      comm_wait_ += seconds_since(t0);
     }
     if constexpr (kShardedGrads) {
       if (bucket.grad_slot >= 0) {
@@ -707,7 +728,9 @@ class GradSync final : public nn::UnitHooks {
     if (dp_ && cfg_.overlap) {
       slot.ticket = comm_thread().submit(task);
     } else {
+      const auto t0 = std::chrono::steady_clock::now();
       task();
+      comm_wait_ += seconds_since(t0);
       slot.ticket = 0;
     }
     return s;
