@@ -377,6 +377,22 @@ cmd_gpu_check() {
               (NR == 10 && worst <= tol) ? "ok" : "FAIL", last_cpu, last_gpu, worst, tol, n ? ms / n : 0 }')
     note "train $precision" "${verdict%%:*}" "${verdict#*: }"
   done
+  # ZeRO 3 on the GPU (shards, pooled gradients, gathered layers in device memory)
+  # against the fp32 run's losses: one GPU does the same arithmetic, so 1e-5.
+  if ((gpus > 0)) && [[ -s "$out/gpu_fp32.jsonl" ]]; then
+    if "$gdir/examples/train_gpt" "${common[@]}" --backend cuda --zero 3 --metrics "$out/gpu_zero3.jsonl" \
+      >"$out/gpu_zero3.txt" 2>&1; then
+      local zverdict
+      zverdict=$(paste <(grep -o '"loss":[^,}]*' "$out/gpu_fp32.jsonl" | cut -d: -f2) \
+        <(grep -o '"loss":[^,}]*' "$out/gpu_zero3.jsonl" | cut -d: -f2) | awk '
+          { d = ($2 - $1) / $1; if (d < 0) d = -d; if (d > worst) worst = d }
+          END { printf "%s: 10 steps, worst step %.1e against ZeRO 0 (tol 1e-5)", (NR == 10 && worst <= 1e-5) ? "ok" : "FAIL", worst }')
+      note "train zero3" "${zverdict%%:*}" "${zverdict#*: }"
+    else
+      tail -3 "$out/gpu_zero3.txt"
+      note "train zero3" FAIL "the CUDA ZeRO 3 run failed: $out/gpu_zero3.txt"
+    fi
+  fi
 
   echo
   echo "gpu-check summary ($(elapsed), $(head -1 "$out/gpus.txt" 2>/dev/null || echo 'no GPU'); logs in $out):"

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "rank_reporting.hpp"
+
 #if defined(LLMPAR_WITH_MPI)
 #include <llmpar/comm/mpi_comm.hpp>
 #endif
@@ -53,10 +55,10 @@ Measured run_rank(comm::Comm& world, bool overlap, double bucket_mb) {
   Model model(cfg, 1337);
   std::vector<std::uint16_t> tokens(1 << 18);
   const auto stream = rng::Stream::named(1, "bench tokens");
-  for (std::size_t i = 0; i < tokens.size(); ++i)
-    tokens[i] = static_cast<std::uint16_t>(stream.bits(i)[0] % cfg.vocab);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint16_t>(stream.bits(i)[0] % cfg.vocab);
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(tokens, 256, "bench tokens");
-  data::DataLoader loader(dataset, {.batch_size = 4, .seq_len = 128, .rank = grid.dp().rank(), .world = grid.dp().size()});
+  data::DataLoader loader(dataset,
+                          {.batch_size = 4, .seq_len = 128, .rank = grid.dp().rank(), .world = grid.dp().size()});
   train::Trainer<Model, Policy> trainer(
       ctx, model, {.lr = 1e-4f}, {.peak_lr = 1e-4f, .warmup_steps = 0, .total_steps = kSteps + 1}, loader,
       {.steps = kSteps + 1,
@@ -91,8 +93,7 @@ Measured run_world(bool overlap, double bucket_mb) {
 
 template <int kStage>
 void register_stage(const std::string& engine, bool overlap, double bucket_mb, const std::string& suffix = "") {
-  const std::string name = engine + "/zero:" + std::to_string(kStage) +
-                           "/overlap:" + (overlap ? "1" : "0") + suffix;
+  const std::string name = engine + "/zero:" + std::to_string(kStage) + "/overlap:" + (overlap ? "1" : "0") + suffix;
   benchmark::RegisterBenchmark(name.c_str(),
                                [overlap, bucket_mb](benchmark::State& state) {
                                  Measured m;
@@ -121,12 +122,6 @@ void register_all(const std::string& engine) {
   for (double mb : {1.0, 4.0, 64.0}) register_stage<0>(engine, true, mb, "/bucket_MiB:" + std::to_string(int(mb)));
 }
 
-class Quiet : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -138,12 +133,7 @@ int main(int argc, char** argv) {
       g_mpi_world = &world;
       benchmark::Initialize(&argc, argv);
       register_all("dp" + std::to_string(world.size()) + "_mpi");
-      if (world.rank() == 0) {
-        benchmark::RunSpecifiedBenchmarks();
-      } else {
-        Quiet quiet;
-        benchmark::RunSpecifiedBenchmarks(&quiet);
-      }
+      bench::run_benchmarks_on_rank(world.rank());
       benchmark::Shutdown();
       g_mpi_world = nullptr;
       return 0;

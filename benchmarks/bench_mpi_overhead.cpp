@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "rank_reporting.hpp"
+
 namespace {
 
 using llmpar::comm::MpiComm;
@@ -31,13 +33,6 @@ struct Sizes {
   benchmark::IterationCount iterations;
 };
 constexpr Sizes kSizes[] = {{1 << 10, 4000}, {1 << 20, 200}, {16 << 20, 20}, {64 << 20, 8}};
-
-// Silences ranks other than 0.
-class Quiet : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
 
 // One communicator for the whole run (made after MPI_Init, destroyed before MPI_Finalize).
 MpiComm* g_world = nullptr;
@@ -92,12 +87,7 @@ int main(int argc, char** argv) {
     g_world = &world;
     benchmark::Initialize(&argc, argv);
     register_all();
-    if (world.rank() == 0) {
-      benchmark::RunSpecifiedBenchmarks();
-    } else {
-      Quiet quiet;
-      benchmark::RunSpecifiedBenchmarks(&quiet);
-    }
+    llmpar::bench::run_benchmarks_on_rank(world.rank());
     benchmark::Shutdown();
     g_world = nullptr;
     return 0;

@@ -24,12 +24,12 @@ struct Options {
   std::optional<std::int64_t> layers, heads, dim, seq, vocab;
   std::string data, val_data;
   std::int64_t steps = 600;
-  std::int64_t batch = 16;                     // sequences per micro-batch and rank (--batch, --micro-batch)
-  std::optional<std::int64_t> grad_accum;      // micro-batches per step (default 1, or from --global-batch)
-  std::optional<std::int64_t> global_batch;    // sequences per optimizer step over all dp ranks
-  int zero = 0;                                // ZeRO stage
-  double bucket_mb = 4.0;                      // gradient bucket size, MiB of f32 gradients
-  bool overlap = true;                         // reduce buckets during backward
+  std::int64_t batch = 16;                   // sequences per micro-batch and rank (--batch, --micro-batch)
+  std::optional<std::int64_t> grad_accum;    // micro-batches per step (default 1, or from --global-batch)
+  std::optional<std::int64_t> global_batch;  // sequences per optimizer step over all dp ranks
+  int zero = 0;                              // ZeRO stage
+  double bucket_mb = 4.0;                    // gradient bucket size, MiB of f32 gradients
+  bool overlap = true;                       // reduce buckets during backward
   float lr = 2e-3f;
   std::optional<std::int64_t> warmup;  // default: min(20, steps)
   float weight_decay = 0.1f;

@@ -21,8 +21,11 @@
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
 #include "llmpar/train/trainer.hpp"
+#include "tensor_parallel_test_util.hpp"
 
 namespace llmpar::dp_test {
+
+using tp_test::relative_difference;
 
 inline models::GPT2Config config() {
   return {.layers = 2, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
@@ -43,8 +46,8 @@ struct Run {
   std::vector<std::vector<float>> grads;   // per parameter (model order), full tensor: step 1's reduced gradient
   std::vector<std::vector<float>> params;  // per parameter, full tensor, after the last step
   std::vector<std::string> names;
-  parallel::MemoryReport memory;           // rank 0's
-  std::int64_t local_parameters = 0;       // rank 0's Ψ: elements of its (tp-split) model
+  parallel::MemoryReport memory;      // rank 0's
+  std::int64_t local_parameters = 0;  // rank 0's Ψ: elements of its (tp-split) model
   int max_gathered_units = 0;
 };
 
@@ -77,18 +80,16 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
   Model model(config(), 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()));
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
-  data::DataLoader loader(dataset, {.batch_size = layout.micro_batch,
-                                    .seq_len = 16,
-                                    .rank = grid.dp().rank(),
-                                    .world = grid.dp().size()});
+  data::DataLoader loader(
+      dataset, {.batch_size = layout.micro_batch, .seq_len = 16, .rank = grid.dp().rank(), .world = grid.dp().size()});
   // eps = 1e-2 for the reason given in tensor_parallel_test_util.hpp; clipping active.
-  train::Trainer<Model, Policy> trainer(
-      ctx, model, {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f},
-      {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = layout.steps}, loader,
-      {.steps = layout.steps,
-       .grad_accum = layout.accum,
-       .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap}},
-      parallel::Groups::of(grid));
+  train::Trainer<Model, Policy> trainer(ctx, model,
+                                        {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f},
+                                        {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = layout.steps}, loader,
+                                        {.steps = layout.steps,
+                                         .grad_accum = layout.accum,
+                                         .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap}},
+                                        parallel::Groups::of(grid));
   const auto params = model.parameter_store().parameters();
   auto index_of = [&](const nn::Parameter<T>& p) {
     return static_cast<std::size_t>(std::find(params.begin(), params.end(), &p) - params.begin());
@@ -117,21 +118,8 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
   run.params.resize(params.size());
   run.names.resize(params.size());
   for (std::size_t k = 0; k < params.size(); ++k) run.names[k] = params[k]->name;
-  trainer.sync().for_each_owned(
-      [&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value, std::int64_t n) {
-        scatter(p, first, value, n, run.params[index_of(p)]);
-      });
-}
-
-// max |a - b| over max |b|.
-inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
-  }
-  return worst / std::max(scale, 1e-30);
+  trainer.sync().for_each_owned([&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value,
+                                    std::int64_t n) { scatter(p, first, value, n, run.params[index_of(p)]); });
 }
 
 // The largest relative differences of the losses, the step-1 gradients and the final

@@ -47,8 +47,8 @@ void check_against_serial(int dp, int tp, const dp_test::Layout& layout, double 
   const dp_test::Run run = run_on<PolicyOf<kStage, Precision, kSp>>(dp * tp, tp, layout);
   const dp_test::Difference d = dp_test::compare(run, reference);
   INFO("stage " << kStage << ", dp " << dp << ", tp " << tp << std::string(kSp == SequenceParallel::on ? " sp" : "")
-                << ", accumulation " << layout.accum << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " ("
-                << d.worst_grad << "), parameters " << d.param << " (" << d.worst_param << ")");
+                << ", accumulation " << layout.accum << ": losses " << d.loss << ", norms " << d.norm << ", gradients "
+                << d.grad << " (" << d.worst_grad << "), parameters " << d.param << " (" << d.worst_param << ")");
   CHECK(d.loss <= tolerance);
   CHECK(d.norm <= tolerance);
   CHECK(d.grad <= tolerance);
@@ -65,7 +65,8 @@ void check_stage_fp32() {
 
 }  // namespace
 
-TEST_CASE("ZeRO stage 0 (bucketed all-reduce) over dp 2, 3, 4, with accumulation and with tp 2, equals the serial run") {
+TEST_CASE(
+    "ZeRO stage 0 (bucketed all-reduce) over dp 2, 3, 4, with accumulation and with tp 2, equals the serial run") {
   check_stage_fp32<0>();
 }
 TEST_CASE("ZeRO stage 1 (sharded optimizer) equals the serial run") { check_stage_fp32<1>(); }
@@ -111,9 +112,9 @@ void check_memory(int dp) {
                           : kStage == 2 ? P * psi + (4 + O) * psi / n
                                         : (P + 4 + O) * psi / n;
   const double measured = static_cast<double>(run.memory.model_state());
-  INFO("stage " << kStage << ", dp " << dp << ": " << measured << " bytes of model state, ZeRO's figure "
-                << expected << " (parameters " << run.memory.parameters << ", gradients " << run.memory.gradients
-                << ", optimizer " << run.memory.optimizer << ", buffers " << run.memory.communication << ")");
+  INFO("stage " << kStage << ", dp " << dp << ": " << measured << " bytes of model state, ZeRO's figure " << expected
+                << " (parameters " << run.memory.parameters << ", gradients " << run.memory.gradients << ", optimizer "
+                << run.memory.optimizer << ", buffers " << run.memory.communication << ")");
   CHECK(std::abs(measured - expected) <= 0.05 * expected);
   // Buffers: stage 2 pools bucket gradients (bounded by the buckets in flight); stage 3
   // also pools gathered units, of which only a few are whole at a time.

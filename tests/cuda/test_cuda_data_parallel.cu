@@ -52,7 +52,8 @@ Result train_stage(backend::cuda::Context& ctx) {
   Result r;
   for (int s = 0; s < 4; ++s) r.losses.push_back(trainer.step().loss);
   ctx.synchronize();
-  trainer.sync().for_each_owned([&](const nn::Parameter<T>&, std::int64_t, const float*, const T* value, std::int64_t n) {
+  trainer.sync().for_each_owned([&](const nn::Parameter<T>&, std::int64_t, const float*, const T* value,
+                                    std::int64_t n) {
     std::vector<T> host(static_cast<std::size_t>(n));
     LLMPAR_CHECK_CUDA(cudaMemcpy(host.data(), value, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost));
     for (const T& v : host) r.params.push_back(static_cast<float>(v));
@@ -102,9 +103,8 @@ int main() {
       Buffer<float, memory::Device> x(n);
       memory::Device::copy_from_host(x.data(), host.data(), x.bytes());
       const double got = backend::Cuda::sum_of_squares(ctx, x.data(), n);
-      gpu_test::report(std::abs(got - want) <= 1e-9 * want,
-                       "sum_of_squares of " + std::to_string(n) + " floats: " + std::to_string(got) + " vs " +
-                           std::to_string(want));
+      gpu_test::report(std::abs(got - want) <= 1e-9 * want, "sum_of_squares of " + std::to_string(n) + " floats: " +
+                                                                std::to_string(got) + " vs " + std::to_string(want));
     }
     check_stages<float>(ctx, "fp32");
     check_stages<bf16>(ctx, "bf16");

@@ -27,7 +27,8 @@
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
 #                 precision); on a machine with 2 GPUs, also mpirun -np 2 --tp 2 --sp
-#                 (NCCL, fp32). Exits 77 (skipped) after checking the no-device error
+#                 (NCCL, fp32) and ZeRO 2 and 3 over dp 2; ZeRO 3 on one GPU against ZeRO 0.
+#                 Exits 77 (skipped) after checking the no-device error
 #                 where there is no GPU.
 set -euo pipefail
 bin="$1" work="$2" case="$3"
@@ -196,8 +197,8 @@ case "$case" in
     fi
     ;;
   cuda)
-    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle
-      --batch 8)
+    base=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle)
+    common=("${base[@]}" --batch 8)
     if ! out="$("$bin/train_gpt" --backend cuda "${common[@]}" --metrics gpu.jsonl 2>&1)"; then
       echo "$out"
       grep -qF "sees no CUDA device" <<<"$out" || fail "train_gpt --backend cuda failed for another reason than no GPU"
@@ -234,6 +235,9 @@ case "$case" in
       same_losses "cpu_$precision.jsonl" "gpu_$precision.jsonl" "$rtol" "cuda, $precision" ||
         fail "the CUDA backend in $precision did not reproduce the CPU backend's $precision losses to $rtol"
     done
+    # ZeRO 3 on one GPU: shards, pooled gradients and gathered layers in device memory.
+    "$bin/train_gpt" --backend cuda "${common[@]}" --zero 3 --metrics gpu_zero3.jsonl | tee gpu_zero3.txt
+    same_losses gpu.jsonl gpu_zero3.jsonl 1e-5 "cuda, ZeRO 3" || fail "ZeRO 3 on the GPU did not reproduce ZeRO 0's losses"
     # Tensor and sequence parallelism over 2 GPUs (NCCL), where the machine has them.
     # (MPIEXEC is set where the build has NCCL; without it the CUDA backend runs one GPU.)
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -244,6 +248,15 @@ case "$case" in
       grep -q 'tp 2 sp x dp 1' gpu_tp.txt || fail "train_gpt --backend cuda --tp 2 --sp did not split over tp 2"
       same_losses cpu.jsonl gpu_tp.jsonl 1e-4 "cuda, tp 2, sp" ||
         fail "tp 2 with sequence parallelism on 2 GPUs did not reproduce the CPU's losses"
+      # Data parallelism over 2 GPUs: NCCL's reduce-scatter and all-gather under ZeRO 2
+      # and the gathers of ZeRO 3, each against the CPU's one-rank run of the global batch.
+      for zero in 2 3; do
+        "${launcher[@]}" -np 2 "$bin/train_gpt" --backend cuda --zero "$zero" "${base[@]}" --batch 4 \
+          --metrics "gpu_dp_zero$zero.jsonl" | tee "gpu_dp_zero$zero.txt"
+        grep -q "tp 1 x dp 2, ZeRO $zero" "gpu_dp_zero$zero.txt" || fail "--zero $zero did not run dp 2 on 2 GPUs"
+        same_losses cpu.jsonl "gpu_dp_zero$zero.jsonl" 1e-4 "cuda, dp 2, ZeRO $zero" ||
+          fail "ZeRO $zero over 2 GPUs did not reproduce the CPU's losses"
+      done
     else
       echo "tensor parallelism on CUDA not checked: $gpus GPU(s); it needs 2 and a build with NCCL (MPIEXEC set)"
     fi

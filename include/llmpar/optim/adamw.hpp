@@ -77,10 +77,10 @@ inline double clip_factor(double norm, float max_norm) {
 // parameter, or the part of it in a ZeRO shard). Pointers are in the backend's memory.
 template <class T>
 struct Segment {
-  T* value = nullptr;           // (n) the parameter's storage-type values
-  acc_t<T>* grad = nullptr;     // (n) their gradients (f32 main grads for 16-bit T)
-  std::int64_t n = 0;           // elements
-  bool decay = false;           // weight decay applies
+  T* value = nullptr;        // (n) the parameter's storage-type values
+  acc_t<T>* grad = nullptr;  // (n) their gradients (f32 main grads for 16-bit T)
+  std::int64_t n = 0;        // elements
+  bool decay = false;        // weight decay applies
 };
 
 // Every parameter of a store, whole: the optimizer of a run without ZeRO sharding.
@@ -164,8 +164,7 @@ class AdamW {
         backend::cpu::adamw_update_master(master_.data() + offset, s.value, m_.data() + offset, v_.data() + offset,
                                           s.grad, s.n, hp, step_, grad_scale);
       else
-        backend::cpu::adamw_update(s.value, m_.data() + offset, v_.data() + offset, s.grad, s.n, hp, step_,
-                                   grad_scale);
+        backend::cpu::adamw_update(s.value, m_.data() + offset, v_.data() + offset, s.grad, s.n, hp, step_, grad_scale);
     }
   }
 

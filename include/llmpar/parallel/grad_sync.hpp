@@ -83,8 +83,8 @@ struct DataConfig {
   // least communication, 16 and 64 MiB more (the last bucket, reduced after backward,
   // is larger); 1 MiB would multiply the collectives of a model with small units.
   std::int64_t bucket_bytes = 4ll << 20;
-  bool overlap = true;                     // reduce buckets during backward (false: after it)
-  bool trace = false;                      // record the order of events (tests)
+  bool overlap = true;  // reduce buckets during backward (false: after it)
+  bool trace = false;   // record the order of events (tests)
 
   void validate() const {
     LLMPAR_CHECK(bucket_bytes > 0, "the gradient bucket size is ", bucket_bytes,
@@ -456,7 +456,8 @@ class GradSync final : public nn::UnitHooks {
     if constexpr (detail::HasUnits<Model>) {
       units.resize(static_cast<std::size_t>(model_.num_units()));
       for (int u = 0; u < model_.num_units(); ++u)
-        model_.unit_parameters(u, [&](nn::Parameter<T>& p) { units[static_cast<std::size_t>(u)].push_back(index.at(&p)); });
+        model_.unit_parameters(
+            u, [&](nn::Parameter<T>& p) { units[static_cast<std::size_t>(u)].push_back(index.at(&p)); });
     } else {
       units.emplace_back();
       for (std::size_t k = 0; k < params.size(); ++k) units[0].push_back(static_cast<int>(k));
@@ -558,7 +559,7 @@ class GradSync final : public nn::UnitHooks {
     bucket.issued = true;
     if (!reduce_now_ && !kShardedGrads) return;
     if (cfg_.trace) record({TraceEvent::Kind::issued, b});
-    Backend::synchronize(ctx_);  // the reduction reads what the kernels wrote
+    Backend::synchronize(ctx_);   // the reduction reads what the kernels wrote
     const Grad* whole = nullptr;  // stages 2, 3: the pooled gradients bound this micro-batch
     if constexpr (kShardedGrads) {
       LLMPAR_CHECK(bucket.grad_slot >= 0, "ZeRO stage ", kStage, ": bucket ", b,
@@ -603,8 +604,7 @@ class GradSync final : public nn::UnitHooks {
       Grad* shard = shard_grads_.data() + b.shard_offset;
       if (dp_) {
         dp_->reduce_scatter(std::span<const Grad>(whole, static_cast<std::size_t>(b.size())),
-                            std::span<Grad>(staging_.data(), static_cast<std::size_t>(b.chunk)),
-                            comm::ReduceOp::avg);
+                            std::span<Grad>(staging_.data(), static_cast<std::size_t>(b.chunk)), comm::ReduceOp::avg);
         add_into(shard, staging_.data(), b.chunk);
       } else {
         add_into(shard, whole, b.chunk);
@@ -708,7 +708,8 @@ class GradSync final : public nn::UnitHooks {
   }
   // Queues the all-gather of bucket b's values into a slot (not `avoid`); returns it.
   int gather(int b, int avoid = -1) {
-    const int s = take_slot(value_slots_, [](Slot& slot, std::int64_t n) { slot.values.resize(n); }, avoid);
+    const int s = take_slot(
+        value_slots_, [](Slot& slot, std::int64_t n) { slot.values.resize(n); }, avoid);
     Slot& slot = value_slots_[static_cast<std::size_t>(s)];
     slot.bucket = b;
     resident_[static_cast<std::size_t>(b)] = s;
@@ -780,14 +781,14 @@ class GradSync final : public nn::UnitHooks {
   std::int64_t max_bucket_ = 0;
   std::vector<Piece> owned_, norm_pieces_, sp_pieces_;
 
-  Buffer<Grad, Space> shard_grads_;   // stages 2, 3: this rank's reduced gradients
-  Buffer<T, Space> shard_values_;     // stage 3: this rank's parameter values
-  Buffer<Grad, Space> staging_;       // stages 2, 3: one block's reduce-scatter result
-  Buffer<Grad, Space> sp_staging_;    // sequence-parallel norm gradients, packed
-  std::vector<Slot> grad_slots_;      // stages 2, 3: pooled bucket gradients
-  std::vector<Slot> value_slots_;     // stage 3: pooled gathered values
-  std::vector<int> resident_;         // stage 3: bucket -> its value slot, or -1
-  std::vector<int> trace_;            // stage 3: the order of gathers the first step recorded
+  Buffer<Grad, Space> shard_grads_;  // stages 2, 3: this rank's reduced gradients
+  Buffer<T, Space> shard_values_;    // stage 3: this rank's parameter values
+  Buffer<Grad, Space> staging_;      // stages 2, 3: one block's reduce-scatter result
+  Buffer<Grad, Space> sp_staging_;   // sequence-parallel norm gradients, packed
+  std::vector<Slot> grad_slots_;     // stages 2, 3: pooled bucket gradients
+  std::vector<Slot> value_slots_;    // stage 3: pooled gathered values
+  std::vector<int> resident_;        // stage 3: bucket -> its value slot, or -1
+  std::vector<int> trace_;           // stage 3: the order of gathers the first step recorded
   std::size_t trace_cursor_ = 0;
   bool trace_recording_ = true, prefetch_ok_ = false;
   int live_ = 0, max_live_ = 0;

@@ -156,14 +156,15 @@ class AdamW {
                  "); skip the step instead (the trainer does, and its loss scaler backs off)");
     ++step_;
     const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
-    // The kernel computes the norm as sqrt(norm_sq) * inv_loss_scale.
+    // The kernel computes the norm as sqrt(norm_sq) * inv_loss_scale. A copy from
+    // pageable host memory has read its source when cudaMemcpyAsync returns (the driver
+    // stages it), so host_norm_sq_ may change afterwards without a wait.
     const double scaled = norm.norm / static_cast<double>(inv_loss_scale);
     host_norm_sq_ = static_cast<float>(scaled * scaled);
     LLMPAR_CHECK_CUDA(
         cudaMemcpyAsync(norm_sq_.data(), &host_norm_sq_, sizeof(float), cudaMemcpyHostToDevice, ctx_.stream()));
     LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx_.stream()));
     plan_->step(ctx_.stream(), hp, step_, norm_sq_.data(), inv_loss_scale, cfg_.grad_clip, found_inf_.data());
-    ctx_.synchronize();  // host_norm_sq_ is read by the copy
   }
 
   // gradient_norm and update in one call; a non-finite gradient skips the update.
