@@ -39,6 +39,7 @@
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
