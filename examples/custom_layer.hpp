@@ -5,12 +5,23 @@
 //
 // What a user writes, and why it is enough:
 //
-//  - A layer is a plain class with forward(ctx, out, x, batch, seq), backward(ctx, dx,
-//    dout, x, batch, seq) and parameters(visit) (nn/layer.hpp). There is no autograd
-//    tape to extend and no base class: the block calls llmpar's layers and kernels, runs
-//    its own element-wise code between them, and writes the backward in the reverse
-//    order. `static_assert(nn::check_layer<...>())` says in a sentence what is missing
-//    if a member is.
+//  - A layer is a plain class with a Saved type, forward(ctx, saved, out, x, batch, seq),
+//    backward(ctx, saved, dx, dout, x, batch, seq) and parameters(visit) (nn/layer.hpp).
+//    There is no autograd tape to extend and no base class: the block calls llmpar's
+//    layers and kernels, runs its own element-wise code between them, and writes the
+//    backward in the reverse order. `static_assert(nn::check_layer<...>())` says in a
+//    sentence what is missing if a member is.
+//
+//  - What forward keeps for backward is a plain struct of buffers, Saved, with bytes():
+//    the caller owns one per micro-batch in flight (a pipeline holds several, and full
+//    recomputation refills a scratch one just before backward), so the block's own
+//    members are its parameters and the scratch that is dead after each call. Splitting
+//    the two is the user's only bookkeeping; the norms' Saved nest inside the block's.
+//
+//  - Selective recomputation is one flag (set_selective_recompute): forward writes the
+//    attention core's outputs to the block's scratch instead of its Saved, and backward
+//    runs the attention kernel again on the saved qkv first. The kernel is
+//    deterministic, so the gradients are the same bits.
 //
 //  - Tensor parallelism comes from the building blocks, not from the block: the QKV and
 //    gate/up projections are ColumnParallelLinear, the output projections
@@ -41,6 +52,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <llmpar/llmpar.hpp>
@@ -177,15 +189,40 @@ void swiglu_backward(T* dgate_up, const T* dact, const T* gate_up, std::int64_t 
 // gather_rows before a column-parallel layer, forward_partial + reduce_rows after a
 // row-parallel one (and the same in backward); without sequence parallelism they are an
 // all-reduce and three no-ops.
+//
+// What forward keeps for backward is the block's Saved, one per micro-batch in flight,
+// owned by the caller. What is dead once a call returns (the gradients, the gathered
+// rows and partial sums of sequence parallelism, and under selective recomputation the
+// attention core's outputs) is scratch the block owns, shared by every micro-batch.
 template <class T, class Backend = backend::Cpu>
 class LlamaBlock {
  public:
   using Acc = typename Backend::template Acc<T>;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
+  using Norm = nn::RMSNorm<T, Backend>;
   static_assert(Space::kHostAccessible,
                 "LlamaBlock: the rotary and SwiGLU code is written as host loops over the backend's memory; use "
                 "backend::Cpu, or write those two functions as kernels for a device backend");
+
+  // One micro-batch's activations (Cl = C / tp, Hl = H / tp; Rl = B·S, or B·S/tp under
+  // sequence parallelism). att_out and lse stay empty under selective recomputation.
+  struct Saved {
+    typename Norm::Saved attention_norm;  // (Rl) 1/rms
+    Buffer<T, Space> norm1_out;           // (Rl, C)
+    Buffer<T, Space> qkv;                 // (B, S, 3Cl), q and k rotated
+    Buffer<T, Space> att_out;             // (B, S, Cl)
+    Buffer<Acc, Space> lse;               // (B, NH/tp, S)
+    Buffer<T, Space> x_mid;               // (Rl, C)  residual after attention
+    typename Norm::Saved ffn_norm;        // (Rl) 1/rms
+    Buffer<T, Space> norm2_out;           // (Rl, C)
+    Buffer<T, Space> gate_up;             // (B, S, 2Hl)
+    Buffer<T, Space> act;                 // (B, S, Hl)
+    std::size_t bytes() const {
+      return attention_norm.bytes() + norm1_out.bytes() + qkv.bytes() + att_out.bytes() + lse.bytes() + x_mid.bytes() +
+             ffn_norm.bytes() + norm2_out.bytes() + gate_up.bytes() + act.bytes();
+    }
+  };
 
   LlamaBlock(const std::string& name, const LlamaConfig& cfg, nn::TensorParallelGroup tp = {})
       : tp_(tp),
@@ -204,59 +241,82 @@ class LlamaBlock {
     nn::mark_sequence_parallel<T>(ffn_norm_, tp);
   }
 
+  // Selective recomputation (Korthikanti et al. 2022): forward keeps the attention core's
+  // inputs (the rotated qkv) but not its outputs, and backward runs attention_forward
+  // again before it needs them. The core's output and lse are B·S·Cl + B·NH/tp·S of a
+  // Saved, for one attention_forward per backward; the recomputed values are the saved
+  // ones bit for bit (the same kernel on the same qkv), so training does not change.
+  // Takes effect from the next forward: a Saved filled with it off still holds them.
+  void set_selective_recompute(bool on) { selective_ = on; }
+  bool selective_recompute() const { return selective_; }
+
   // out = block(x). x and out are (B, S, C), or under sequence parallelism this rank's
-  // B·S/tp rows of them (tp.local_rows). Keeps what backward needs.
-  void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+  // B·S/tp rows of them (tp.local_rows). Keeps what backward needs in saved.
+  void forward(Context& ctx, Saved& saved, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
     const bool sp = tp_.sequence_parallel();
-    reserve(batch, seq);
+    reserve(saved, batch, seq);
     // Attention on this rank's heads: every row enters ("f": all-gather of the rows under
     // sequence parallelism, nothing without), the heads' partial sums leave ("g").
-    attention_norm_.forward(ctx, norm1_out_.data(), x, local);
-    wqkv_.forward(ctx, qkv_.data(), tp_.gather_rows(gathered_.data(), norm1_out_.data(), rows, C), rows);
-    rotary_.rotate(qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::forward);
-    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_.data(), batch, seq, local_dim_, heads_);
-    T* attention_partial = sp ? partial_.data() : x_mid_.data();
-    wo_.forward_partial(ctx, attention_partial, att_out_.data(), rows);
-    tp_.reduce_rows(x_mid_.data(), attention_partial, rows, C);
-    Backend::add_inplace(ctx, x_mid_.data(), x, local * C);
+    attention_norm_.forward(ctx, saved.attention_norm, saved.norm1_out.data(), x, local);
+    wqkv_.forward(ctx, saved.qkv.data(), tp_.gather_rows(gathered_.data(), saved.norm1_out.data(), rows, C), rows);
+    rotary_.rotate(saved.qkv.data(), batch, seq, local_dim_, Rotary<T>::Direction::forward);
+    T* att_out = selective_ ? att_out_.data() : saved.att_out.data();
+    Acc* lse = selective_ ? lse_.data() : saved.lse.data();
+    Backend::attention_forward(ctx, att_out, lse, saved.qkv.data(), batch, seq, local_dim_, heads_);
+    T* attention_partial = sp ? partial_.data() : saved.x_mid.data();
+    wo_.forward_partial(ctx, attention_partial, att_out, rows);
+    tp_.reduce_rows(saved.x_mid.data(), attention_partial, rows, C);
+    Backend::add_inplace(ctx, saved.x_mid.data(), x, local * C);
     // SwiGLU MLP on this rank's hidden units, the same way.
-    ffn_norm_.forward(ctx, norm2_out_.data(), x_mid_.data(), local);
-    w_gate_up_.forward(ctx, gate_up_.data(), tp_.gather_rows(gathered_.data(), norm2_out_.data(), rows, C), rows);
-    swiglu_forward(act_.data(), gate_up_.data(), rows, hidden_local_);
+    ffn_norm_.forward(ctx, saved.ffn_norm, saved.norm2_out.data(), saved.x_mid.data(), local);
+    w_gate_up_.forward(ctx, saved.gate_up.data(), tp_.gather_rows(gathered_.data(), saved.norm2_out.data(), rows, C),
+                       rows);
+    swiglu_forward(saved.act.data(), saved.gate_up.data(), rows, hidden_local_);
     T* mlp_partial = sp ? partial_.data() : out;
-    w_down_.forward_partial(ctx, mlp_partial, act_.data(), rows);
+    w_down_.forward_partial(ctx, mlp_partial, saved.act.data(), rows);
     tp_.reduce_rows(out, mlp_partial, rows, C);
-    Backend::add_inplace(ctx, out, x_mid_.data(), local * C);
+    Backend::add_inplace(ctx, out, saved.x_mid.data(), local * C);
   }
 
-  // dx = ∂loss/∂x given dout = ∂loss/∂out (this rank's rows, as in forward); parameter
-  // gradients accumulate (the norms', under sequence parallelism, over this rank's rows:
-  // they are marked, and the trainer sums them over the group).
-  void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
+  // dx = ∂loss/∂x given dout = ∂loss/∂out (this rank's rows, as in forward), from the
+  // Saved of the forward that got x; parameter gradients accumulate (the norms', under
+  // sequence parallelism, over this rank's rows: they are marked, and the trainer sums
+  // them over the group).
+  void backward(Context& ctx, Saved& saved, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
     const bool sp = tp_.sequence_parallel();
-    reserve_scratch(rows, local);
+    // A Saved without the attention core's outputs: recompute them (its forward ran
+    // with selective recomputation on).
+    const bool recompute = saved.att_out.size() < rows * local_dim_;
+    reserve_scratch(rows, local, recompute ? batch * heads_ * seq : 0);
+    const T* att_out = saved.att_out.data();
+    const Acc* lse = saved.lse.data();
+    if (recompute) {
+      Backend::attention_forward(ctx, att_out_.data(), lse_.data(), saved.qkv.data(), batch, seq, local_dim_, heads_);
+      att_out = att_out_.data();
+      lse = lse_.data();
+    }
     // MLP, last layer first. The row-parallel layer sees every row of dout.
-    w_down_.backward(ctx, d_act_.data(), tp_.gather_rows(gathered_.data(), dout, rows, C), act_.data(), rows);
-    swiglu_backward(d_gate_up_.data(), d_act_.data(), gate_up_.data(), rows, hidden_local_);
+    w_down_.backward(ctx, d_act_.data(), tp_.gather_rows(gathered_.data(), dout, rows, C), saved.act.data(), rows);
+    swiglu_backward(d_gate_up_.data(), d_act_.data(), saved.gate_up.data(), rows, hidden_local_);
     T* dnorm2 = sp ? partial_.data() : d_c0_.data();
     w_gate_up_.backward_partial(ctx, dnorm2, d_gate_up_.data(),
-                                tp_.gather_rows(gathered_.data(), norm2_out_.data(), rows, C), rows);
+                                tp_.gather_rows(gathered_.data(), saved.norm2_out.data(), rows, C), rows);
     tp_.reduce_rows(d_c0_.data(), dnorm2, rows, C);
     T* dx_mid = d_c1_.data();
-    ffn_norm_.backward(ctx, dx_mid, d_c0_.data(), x_mid_.data(), local);
+    ffn_norm_.backward(ctx, saved.ffn_norm, dx_mid, d_c0_.data(), saved.x_mid.data(), local);
     Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
     // Attention.
-    wo_.backward(ctx, d_att_.data(), tp_.gather_rows(gathered_.data(), dx_mid, rows, C), att_out_.data(), rows);
-    Backend::attention_backward(ctx, d_qkv_.data(), d_att_.data(), qkv_.data(), att_out_.data(), lse_.data(), batch,
-                                seq, local_dim_, heads_);
+    wo_.backward(ctx, d_att_.data(), tp_.gather_rows(gathered_.data(), dx_mid, rows, C), att_out, rows);
+    Backend::attention_backward(ctx, d_qkv_.data(), d_att_.data(), saved.qkv.data(), att_out, lse, batch, seq,
+                                local_dim_, heads_);
     rotary_.rotate(d_qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::backward);
     T* dnorm1 = sp ? partial_.data() : d_c0_.data();
-    wqkv_.backward_partial(ctx, dnorm1, d_qkv_.data(), tp_.gather_rows(gathered_.data(), norm1_out_.data(), rows, C),
-                           rows);
+    wqkv_.backward_partial(ctx, dnorm1, d_qkv_.data(),
+                           tp_.gather_rows(gathered_.data(), saved.norm1_out.data(), rows, C), rows);
     tp_.reduce_rows(d_c0_.data(), dnorm1, rows, C);
-    attention_norm_.backward(ctx, dx, d_c0_.data(), x, local);
+    attention_norm_.backward(ctx, saved.attention_norm, dx, d_c0_.data(), x, local);
     Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
   }
 
@@ -270,36 +330,57 @@ class LlamaBlock {
     w_down_.parameters(visit);
   }
 
+  // Bytes of the scratch this block owns, whatever the micro-batches in flight: the
+  // largest batch · seq it has run so far.
+  std::size_t scratch_bytes() const {
+    return gathered_.bytes() + partial_.bytes() + att_out_.bytes() + lse_.bytes() + d_act_.bytes() +
+           d_gate_up_.bytes() + d_att_.bytes() + d_qkv_.bytes() + d_c0_.bytes() + d_c1_.bytes();
+  }
+
  private:
   // GPT-2's scaling of the projections that write into the residual stream.
   static float residual_std(const LlamaConfig& cfg) {
     return cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers));
   }
 
-  void reserve(std::int64_t batch, std::int64_t seq) {
-    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_,
-                       Hl = hidden_local_;
+  void reserve(Saved& saved, std::int64_t batch, std::int64_t seq) {
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_, Hl = hidden_local_;
     tp_.check_sequence(seq);
-    norm1_out_.reserve(local * C);
-    qkv_.reserve(rows * 3 * Cl);
-    att_out_.reserve(rows * Cl);
-    lse_.reserve(batch * heads_ * seq);
-    x_mid_.reserve(local * C);
-    norm2_out_.reserve(local * C);
-    gate_up_.reserve(rows * 2 * Hl);
-    act_.reserve(rows * Hl);
-    if (tp_.sequence_parallel()) {
-      gathered_.reserve(rows * C);
-      partial_.reserve(rows * C);
+    saved.norm1_out.reserve(local * C);
+    saved.qkv.reserve(rows * 3 * Cl);
+    if (selective_) {  // kept out of saved: its bytes() count what it holds
+      saved.att_out.reset();
+      saved.lse.reset();
+      att_out_.reserve(rows * Cl);
+      lse_.reserve(batch * heads_ * seq);
+    } else {
+      saved.att_out.reserve(rows * Cl);
+      saved.lse.reserve(batch * heads_ * seq);
     }
+    saved.x_mid.reserve(local * C);
+    saved.norm2_out.reserve(local * C);
+    saved.gate_up.reserve(rows * 2 * Hl);
+    saved.act.reserve(rows * Hl);
+    reserve_sequence_parallel(rows);
   }
-  void reserve_scratch(std::int64_t rows, std::int64_t local) {
+  void reserve_scratch(std::int64_t rows, std::int64_t local, std::int64_t recomputed_lse) {
     d_act_.reserve(rows * hidden_local_);
     d_gate_up_.reserve(rows * 2 * hidden_local_);
     d_att_.reserve(rows * local_dim_);
     d_qkv_.reserve(rows * 3 * local_dim_);
     d_c0_.reserve(rows * dim_);
     d_c1_.reserve(local * dim_);
+    if (recomputed_lse > 0) {
+      att_out_.reserve(rows * local_dim_);
+      lse_.reserve(recomputed_lse);
+    }
+    reserve_sequence_parallel(rows);
+  }
+  void reserve_sequence_parallel(std::int64_t rows) {
+    if (tp_.sequence_parallel()) {
+      gathered_.reserve(rows * dim_);
+      partial_.reserve(rows * dim_);
+    }
   }
 
   nn::TensorParallelGroup tp_;
@@ -307,26 +388,22 @@ class LlamaBlock {
   std::int64_t heads_;         // this rank's heads: NH / tp
   std::int64_t local_dim_;     // this rank's attention channels: C / tp
   std::int64_t hidden_local_;  // this rank's MLP hidden units: H / tp
+  bool selective_ = false;     // selective recomputation of the attention core
   Rotary<T> rotary_;
-  nn::RMSNorm<T, Backend> attention_norm_;
+  Norm attention_norm_;
   nn::ColumnParallelLinear<T, Backend> wqkv_;  // (3C, C): q, k, v of this rank's heads
   nn::RowParallelLinear<T, Backend> wo_;       // (C, C)
-  nn::RMSNorm<T, Backend> ffn_norm_;
+  Norm ffn_norm_;
   nn::ColumnParallelLinear<T, Backend> w_gate_up_;  // (2H, C): gate and up of this rank's hidden units
   nn::RowParallelLinear<T, Backend> w_down_;        // (C, H)
-  // Activations kept for backward (Cl = C / tp, Hl = H / tp; Rl = B·S, or B·S/tp under
-  // sequence parallelism).
-  Buffer<T, Space> norm1_out_;  // (Rl, C)
-  Buffer<T, Space> qkv_;        // (B, S, 3Cl), q and k rotated
-  Buffer<T, Space> att_out_;    // (B, S, Cl)
-  Buffer<Acc, Space> lse_;      // (B, NH/tp, S)
-  Buffer<T, Space> x_mid_;      // (Rl, C)  residual after attention
-  Buffer<T, Space> norm2_out_;  // (Rl, C)
-  Buffer<T, Space> gate_up_;    // (B, S, 2Hl)
-  Buffer<T, Space> act_;        // (B, S, Hl)
-  // Sequence parallelism: every row gathered, and partial sums before a reduce-scatter.
+  // Scratch, dead once forward or backward returns. Sequence parallelism: every row
+  // gathered, and partial sums before a reduce-scatter.
   Buffer<T, Space> gathered_, partial_;  // (B·S, C)
-  // Gradients that are dead once backward returns.
+  // Selective recomputation: the attention core's outputs, written by forward for wo and
+  // by backward's recomputation for attention_backward.
+  Buffer<T, Space> att_out_;  // (B, S, Cl)
+  Buffer<Acc, Space> lse_;    // (B, NH/tp, S)
+  // Gradients.
   Buffer<T, Space> d_act_, d_gate_up_, d_att_, d_qkv_, d_c0_, d_c1_;
 };
 

@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--metrics", o.metrics, "Write JSON lines of config, steps and evals to this file");
-  app.add_option("--sample-tokens", o.sample_tokens, "Tokens to sample at the end (0: none)")->capture_default_str();
+  app.add_option("--sample-tokens", o.sample_tokens, "Tokens to sample at the end (0: none; default 320, 0 with --pp)");
   app.add_option("--temperature", o.temperature, "Sampling temperature")->capture_default_str();
   app.add_option("--prompt", o.prompt, "Text the sample starts from")->capture_default_str();
   app.add_option("--peak-gflops", o.peak_gflops,
@@ -152,6 +152,22 @@ int main(int argc, char** argv) {
   app.add_option("--tp", o.tp, "Tensor-parallel degree: split every block's heads and MLP over this many ranks")
       ->capture_default_str();
   app.add_flag("--sp", o.sp, "Sequence parallelism: split the LayerNorm and residual regions' rows over the tp group");
+  app.add_option("--pp", o.pp, "Pipeline stages: split the layers over this many ranks")->capture_default_str();
+  app.add_option("--schedule", o.schedule,
+                 "Pipeline schedule: gpipe, 1f1b, interleaved (with --virtual-stages) or zb (ZB-H1, zero bubble)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}))
+      ->capture_default_str();
+  app.add_option("--virtual-stages", o.virtual_stages, "Model chunks per pipeline rank (the interleaved schedule)")
+      ->capture_default_str();
+  app.add_option("--partition", o.partition,
+                 "How layers split over pipeline stages: even, parameters (balance parameter counts, embedding on "
+                 "the first stage, head on the last) or a list of layers per virtual stage (e.g. 3,3,2)")
+      ->capture_default_str();
+  app.add_option("--recompute", o.recompute,
+                 "Activation recomputation: none, selective (the attention core) or full (each block from its input)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->capture_default_str();
+  app.add_option("--trace", o.trace, "Write the pipeline timeline of step 2 (or 1) as Chrome trace JSON (Perfetto)");
   app.add_flag("--tf32", o.tf32, "CUDA: fp32 GEMMs on TF32 tensor cores (faster, 10-bit mantissa products)");
   app.footer(
       "Ranks (read before the options above):\n"

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <llmpar/llmpar.hpp>
 #include <optional>
@@ -40,15 +42,56 @@ struct Options {
   std::int64_t eval_batches = 16;
   std::string precision = "fp32";
   std::string metrics;
-  std::int64_t sample_tokens = 320;
+  std::optional<std::int64_t> sample_tokens;  // default: 320, or 0 with a pipeline
   float temperature = 0.8f;
   std::string prompt = "The ";
   double peak_gflops = 0.0;  // 0: measured (CPU) or the data sheet's (CUDA)
   std::string backend = "cpu";
   bool tf32 = false;
-  int tp = 1;       // tensor-parallel degree; the other ranks replicate (data parallel)
-  bool sp = false;  // sequence parallelism within the tp group
+  int tp = 1;                      // tensor-parallel degree; the other ranks replicate (data parallel)
+  bool sp = false;                 // sequence parallelism within the tp group
+  int pp = 1;                      // pipeline stages
+  std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved, zb
+  int virtual_stages = 1;          // chunks per pipeline rank
+  std::string partition = "even";  // even, parameters, or "3,3,2"
+  std::string recompute = "none";  // none, selective, full
+  std::string trace;               // Chrome trace JSON of one step's pipeline timeline
 };
+
+inline recompute::Mode recompute_mode(const std::string& name) {
+  if (name == "full") return recompute::Mode::full;
+  if (name == "selective") return recompute::Mode::selective;
+  LLMPAR_CHECK(name == "none", "--recompute ", name, " is not one of none, selective, full");
+  return recompute::Mode::none;
+}
+
+// How the layers split over the pipeline's virtual stages (--partition).
+inline pipeline::Partition partition_of(const Options& o, const models::GPT2Config& cfg) {
+  if (o.partition == "even") return pipeline::even_partition(cfg.layers, o.pp, o.virtual_stages);
+  if (o.partition == "parameters") {
+    const std::int64_t block = 12 * cfg.dim * cfg.dim + 13 * cfg.dim;
+    const std::int64_t table = cfg.padded_vocab * cfg.dim;
+    return pipeline::parameter_partition(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), block),
+                                         table + cfg.max_seq * cfg.dim, table + 2 * cfg.dim, o.pp, o.virtual_stages);
+  }
+  std::vector<std::int64_t> counts;
+  std::size_t at = 0;
+  while (at <= o.partition.size()) {
+    const std::size_t comma = std::min(o.partition.find(',', at), o.partition.size());
+    const std::string item = o.partition.substr(at, comma - at);
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    LLMPAR_CHECK(!item.empty() && end != nullptr && *end == '\0', "--partition '", o.partition,
+                 "' is not even, parameters or a comma-separated list of layer counts (e.g. 3,3,2)");
+    counts.push_back(v);
+    at = comma + 1;
+  }
+  return pipeline::explicit_partition(counts, cfg.layers, o.pp, o.virtual_stages);
+}
+
+// Tokens to sample after training: --sample-tokens, or 320 (none under a pipeline, whose
+// stages each hold part of the model).
+inline std::int64_t sample_count(const Options& o) { return o.sample_tokens.value_or(o.pp > 1 ? 0 : 320); }
 
 // The validation pattern llm.c uses: the train pattern with "train" replaced by "val".
 inline std::string default_val_pattern(const std::string& train) {
@@ -78,8 +121,10 @@ inline models::GPT2Config model_config(const Options& o) {
   return cfg;
 }
 
-// The data-parallel degree of a run: the ranks left after tensor parallelism.
-inline int data_parallel_degree(const Options& o, int world_size) { return world_size / std::max(1, o.tp); }
+// The data-parallel degree of a run: the ranks left after tensor and pipeline parallelism.
+inline int data_parallel_degree(const Options& o, int world_size) {
+  return world_size / std::max(1, o.tp * std::max(1, o.pp));
+}
 
 // Micro-batches per optimizer step: --global-batch / (--batch x dp), or --grad-accum.
 inline std::int64_t accumulation_steps(const Options& o, int world_size) {
@@ -111,10 +156,11 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(o.eval_every >= 0, "--eval-every ", o.eval_every, "; use a number of steps, or 0 for no validation");
   LLMPAR_CHECK(o.eval_every == 0 || o.eval_batches > 0, "--eval-batches ", o.eval_batches,
                "; validation needs at least 1 batch (or --eval-every 0)");
-  LLMPAR_CHECK(o.sample_tokens >= 0, "--sample-tokens ", o.sample_tokens, "; use a count, or 0 for no sample");
-  LLMPAR_CHECK(o.sample_tokens == 0 || o.temperature > 0.0f, "--temperature ", o.temperature,
+  const std::int64_t samples = sample_count(o);
+  LLMPAR_CHECK(samples >= 0, "--sample-tokens ", samples, "; use a count, or 0 for no sample");
+  LLMPAR_CHECK(samples == 0 || o.temperature > 0.0f, "--temperature ", o.temperature,
                "; sampling needs a positive temperature");
-  LLMPAR_CHECK(o.sample_tokens == 0 || !o.prompt.empty(), "--prompt is empty; sampling needs at least one byte");
+  LLMPAR_CHECK(samples == 0 || !o.prompt.empty(), "--prompt is empty; sampling needs at least one byte");
   LLMPAR_CHECK(o.peak_gflops >= 0.0, "--peak-gflops ", o.peak_gflops, "; give a positive peak, or leave it out");
   LLMPAR_CHECK(!o.tf32 || o.backend == "cuda",
                "--tf32 is a CUDA option (fp32 GEMMs on TF32 tensor cores); use it "
@@ -123,6 +169,25 @@ inline void validate(const Options& o, int world_size) {
                " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
   LLMPAR_CHECK(!o.sp || o.tp > 1,
                "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
+  LLMPAR_CHECK(o.pp >= 1 && world_size % (o.tp * o.pp) == 0, "--tp ", o.tp, " x --pp ", o.pp, " does not divide the ",
+               world_size, " ranks; use degrees whose product divides the number of ranks (--ranks, or mpirun -np)");
+  LLMPAR_CHECK(o.virtual_stages >= 1, "--virtual-stages ", o.virtual_stages, "; each pipeline rank holds at least 1");
+  LLMPAR_CHECK(o.schedule == "interleaved" || o.virtual_stages == 1, "--virtual-stages ", o.virtual_stages,
+               " needs --schedule interleaved (the other schedules run one chunk per rank)");
+  LLMPAR_CHECK(o.pp > 1 || o.schedule == "1f1b", "--schedule ", o.schedule,
+               " needs --pp 2 or more; one stage runs its micro-batches one after another (1f1b)");
+  LLMPAR_CHECK(o.schedule != "interleaved" || (o.virtual_stages >= 2 && o.pp >= 2),
+               "--schedule interleaved needs --pp 2 or more and --virtual-stages 2 or more; got --pp ", o.pp,
+               " --virtual-stages ", o.virtual_stages);
+  LLMPAR_CHECK(o.pp == 1 || o.zero <= 1, "--zero ", o.zero, " with --pp ", o.pp,
+               ": ZeRO stages 2 and 3 reduce and gather per micro-batch, which a pipeline interleaves; use --zero 1 "
+               "(or 0) with pipeline parallelism");
+  LLMPAR_CHECK(o.pp == 1 || samples == 0, "--sample-tokens ", samples, " with --pp ", o.pp,
+               ": sampling runs the whole model on one rank; pass --sample-tokens 0 with a pipeline");
+  LLMPAR_CHECK(!(o.schedule == "zb" && o.recompute == "full"),
+               "--schedule zb keeps each block's activations for its deferred weight pass, which --recompute full "
+               "drops; use --recompute selective or none with zb");
+  static_cast<void>(recompute_mode(o.recompute));
   if (o.global_batch) {
     const std::int64_t dp = data_parallel_degree(o, world_size), per_step = o.batch * dp;
     LLMPAR_CHECK(*o.global_batch > 0 && *o.global_batch % per_step == 0, "--global-batch ", *o.global_batch,
@@ -140,8 +205,19 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
                " (sequence parallelism splits the sequence); use a --seq that is a multiple of ", o.tp);
   if (!o.data.empty() && o.val_data.empty()) static_cast<void>(default_val_pattern(o.data));
+  static_cast<void>(partition_of(o, cfg));  // more stages than layers, a list that does not sum
+  if (o.schedule == "interleaved") {
+    const std::int64_t m = accumulation_steps(o, world_size);
+    LLMPAR_CHECK(m % o.pp == 0, "--schedule interleaved needs the micro-batches per step (", m,
+                 ", from --grad-accum or --global-batch) to be a multiple of --pp ", o.pp, "; use ",
+                 (m / o.pp + 1) * o.pp);
+  }
+  if (!o.trace.empty()) {
+    std::ofstream probe(o.trace, std::ios::out | std::ios::app);
+    LLMPAR_CHECK(probe.good(), "--trace ", o.trace, ": cannot open the file for writing; check the directory exists");
+  }
   // Sampling decodes bytes: a model of another vocabulary cannot be sampled as text.
-  LLMPAR_CHECK(o.sample_tokens == 0 || o.data.empty() || cfg.vocab == 256,
+  LLMPAR_CHECK(sample_count(o) == 0 || o.data.empty() || cfg.vocab == 256,
                "sampling decodes with the byte tokenizer, but --data trains a vocabulary of ", cfg.vocab,
                "; pass --sample-tokens 0 for models whose data used another tokenizer");
 }
@@ -201,7 +277,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   }
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
-  comm::Grid grid(world, {.tp = o.tp});
+  comm::Grid grid(world, {.tp = o.tp, .pp = o.pp});
   const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
@@ -215,7 +291,9 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, val_lc);
 
-  models::GPT2<T, B> model(cfg, o.seed, tp);
+  const pipeline::Placement placement{
+      .stages = o.pp, .chunks = o.virtual_stages, .rank = grid.coords().pp, .partition = partition_of(o, cfg)};
+  models::GPT2<T, B> model(cfg, o.seed, tp, placement);
   // The peak in the run's precision (the CPU measures it now, on the model's shapes).
   const Peak peak = o.peak_gflops > 0.0
                         ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
@@ -226,14 +304,20 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       static_cast<double>(model.num_parameters()) * 1e-6);
   const std::int64_t accum = accumulation_steps(o, world.size());
   const std::int64_t global_batch = o.batch * grid.dp().size() * accum;
-  say("train: %lld steps, %d rank%s (%s; tp %d%s x dp %d, ZeRO %d) x micro-batch %lld x %lld, grad accum %lld "
+  const std::string pp = o.pp > 1 ? " x pp " + std::to_string(o.pp) : std::string();
+  say("train: %lld steps, %d rank%s (%s; tp %d%s%s x dp %d, ZeRO %d) x micro-batch %lld x %lld, grad accum %lld "
       "(global batch %lld), lr %.2e, warmup %lld, %s, %s backend\n",
       static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "",
-      std::string(world.engine_name()).c_str(), grid.tp().size(), o.sp ? " sp" : "", grid.dp().size(), o.zero,
-      static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(accum),
+      std::string(world.engine_name()).c_str(), grid.tp().size(), o.sp ? " sp" : "", pp.c_str(), grid.dp().size(),
+      o.zero, static_cast<long long>(o.batch), static_cast<long long>(seq), static_cast<long long>(accum),
       static_cast<long long>(global_batch), static_cast<double>(o.lr), static_cast<long long>(warmup),
       o.precision.c_str(), B::kName);
   say("policy: %s\n", Policy::kName);
+  if (o.pp > 1)
+    say("pipeline: %d stages x %d chunk%s, schedule %s, layers per virtual stage %s, %lld micro-batches per step\n",
+        o.pp, o.virtual_stages, o.virtual_stages > 1 ? "s" : "", o.schedule.c_str(),
+        placement.partition.describe().c_str(), static_cast<long long>(accum));
+  if (o.recompute != "none") say("recompute: %s\n", o.recompute.c_str());
   say("precision: %s\n", precision_summary<typename Policy::precision>().c_str());
   say("MFU peak: %s\n", peak.source.c_str());
 
@@ -250,6 +334,11 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"ranks", world.size()},
                  {"tp", o.tp},
                  {"sp", o.sp},
+                 {"pp", o.pp},
+                 {"schedule", o.schedule},
+                 {"virtual_stages", o.virtual_stages},
+                 {"partition", placement.partition.describe()},
+                 {"recompute", o.recompute},
                  {"dp", grid.dp().size()},
                  {"zero", o.zero},
                  {"micro_batch", o.batch},
@@ -274,7 +363,10 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       {.steps = o.steps,
        .grad_accum = accum,
        .peak_gflops = peak.gflops,
-       .data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap}},
+       .data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap},
+       .schedule = o.pp > 1 ? o.schedule : std::string(),
+       .virtual_stages = o.virtual_stages,
+       .recompute = recompute_mode(o.recompute)},
       parallel::Groups::of(grid));
   // Bytes per rank, from the buffers: at start (activations are allocated by the first
   // step), and after the first step with them, also in the metrics log.
@@ -307,16 +399,24 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     if (lead) std::fflush(stdout);
     metrics.write_step(s);
     if (s.step == 1) report_memory("after step 1");
+    if (!o.trace.empty() && s.step == std::min<std::int64_t>(2, o.steps)) {
+      const auto timeline = train::gather_timeline(world, grid.coords().pp, trainer.executor().timings());
+      if (lead) {
+        train::write_chrome_trace(o.trace, timeline);
+        say("trace: step %lld's pipeline timeline (%zu ranks) in %s\n", static_cast<long long>(s.step), timeline.size(),
+            o.trace.c_str());
+      }
+    }
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
   });
 
   // Every rank samples (the split blocks need their whole tp group); rank 0 prints.
-  if (o.sample_tokens > 0) {
+  if (sample_count(o) > 0) {
     const data::ByteTokenizer tok;
     std::vector<std::int32_t> prompt;
     for (std::uint16_t t : tok.encode(o.prompt)) prompt.push_back(t);
     const auto out =
-        train::sample(ctx, model, prompt, {.tokens = o.sample_tokens, .temperature = o.temperature, .seed = o.seed});
+        train::sample(ctx, model, prompt, {.tokens = sample_count(o), .temperature = o.temperature, .seed = o.seed});
     std::vector<std::uint16_t> ids(out.begin(), out.end());
     say("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature), tok.decode(ids).c_str());
   }
@@ -326,11 +426,17 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
 // The run on backend B, its layout composed from the flags: --precision and --sp choose
 // the precision policy and sequence parallelism at compile time (one instantiation
 // each); the degrees come from the grid.
+// The pipeline schedule and the recomputation are the flags' (schedule::Configured,
+// recompute::Configured: they change the order of calls, not a type).
 template <class B, class Precision, int kZero>
 int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
   using Data = parallel::Data<zero::Stage<kZero>>;
-  if (o.sp) return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>, Data>>(o, world, ctx, find_peak);
-  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>, Data>>(o, world, ctx, find_peak);
+  // ZeRO 2 and 3 do not compose with a pipeline (validate() refused --pp > 1 for them).
+  using Pipe = std::conditional_t<(kZero >= 2), parallel::NoPipeline, parallel::Pipeline<schedule::Configured>>;
+  using Rc = recompute::Configured;
+  if (o.sp)
+    return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>, Pipe, Data, Rc>>(o, world, ctx, find_peak);
+  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>, Pipe, Data, Rc>>(o, world, ctx, find_peak);
 }
 
 // --zero chooses the data-parallel policy.

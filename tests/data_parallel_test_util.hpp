@@ -1,5 +1,6 @@
-// What the data-parallel equivalence tests share (thread ranks and MPI processes): five
-// training steps of GPT-2 through train::Trainer under a composed ZeRO stage, with the
+// What the data- and pipeline-parallel equivalence tests share (thread ranks and MPI
+// processes): five training steps of GPT-2 through train::Trainer under a composed
+// layout (tp x pp x dp, a ZeRO stage, a pipeline schedule, recomputation), with the
 // reduced gradients of the first step and the final parameters written into full
 // tensors by the ranks that own them, to be compared with the serial run.
 #pragma once
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,7 @@
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/pipeline/partition.hpp"
 #include "llmpar/train/trainer.hpp"
 #include "tensor_parallel_test_util.hpp"
 
@@ -27,8 +30,8 @@ namespace llmpar::dp_test {
 
 using tp_test::relative_difference;
 
-inline models::GPT2Config config() {
-  return {.layers = 2, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
+inline models::GPT2Config config(std::int64_t layers = 2) {
+  return {.layers = layers, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
 }
 
 // A fixed token stream (no shuffling, so every layout reads the same global batches).
@@ -43,9 +46,15 @@ inline std::vector<std::uint16_t> tokens(std::int64_t n = 20000) {
 struct Run {
   std::vector<double> losses;
   std::vector<double> norms;               // the global gradient norm of every step
-  std::vector<std::vector<float>> grads;   // per parameter (model order), full tensor: step 1's reduced gradient
+  std::vector<std::vector<float>> grads;   // per parameter (serial model order), full tensor: step 1's reduced gradient
   std::vector<std::vector<float>> params;  // per parameter, full tensor, after the last step
-  std::vector<std::string> names;
+  std::vector<std::string> names;          // the serial model's parameter names
+  // Under a pipeline: the last stage's copy of the tied token table (empty otherwise).
+  std::vector<float> head_copy_grad, head_copy_param;
+  // Per world rank: the executor's stashes (most micro-batches in flight) and the most
+  // stashed activation bytes live at once, after the last step.
+  std::vector<int> stashes;
+  std::vector<std::size_t> peak_stash_bytes;
   parallel::MemoryReport memory;      // rank 0's
   std::int64_t local_parameters = 0;  // rank 0's Ψ: elements of its (tp-split) model
   int max_gathered_units = 0;
@@ -53,10 +62,15 @@ struct Run {
 
 struct Layout {
   int micro_batch = 2;  // sequences per rank and micro-batch
-  int accum = 1;        // micro-batches per step
+  int accum = 1;        // micro-batches per step (the pipeline's m)
   int steps = 5;
   std::int64_t bucket_bytes = 4096;  // small: several buckets even in the test model
   bool overlap = true;
+  std::int64_t layers = 2;
+  int pp = 1;                                  // pipeline stages (the policy must have a pipeline when > 1)
+  int chunks = 1;                              // virtual stages per pipeline rank
+  std::string schedule{};                      // under schedule::Configured
+  std::optional<recompute::Mode> recompute{};  // under recompute::Configured
 };
 
 // Writes elements [first, first + n) of p's local tensor (values or gradients) into
@@ -75,9 +89,13 @@ template <class Policy>
 void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex& mutex) {
   using T = typename Policy::precision::Compute;
   using Model = models::GPT2<T, backend::Cpu>;
-  comm::Grid grid(world, {.tp = tp});
+  comm::Grid grid(world, {.tp = tp, .pp = layout.pp});
   backend::cpu::Context ctx;
-  Model model(config(), 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()));
+  const pipeline::Placement placement{.stages = layout.pp,
+                                      .chunks = layout.chunks,
+                                      .rank = grid.coords().pp,
+                                      .partition = pipeline::even_partition(layout.layers, layout.pp, layout.chunks)};
+  Model model(config(layout.layers), 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()), placement);
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
   data::DataLoader loader(
@@ -88,18 +106,33 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
                                         {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = layout.steps}, loader,
                                         {.steps = layout.steps,
                                          .grad_accum = layout.accum,
-                                         .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap}},
+                                         .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap},
+                                         .schedule = layout.schedule,
+                                         .virtual_stages = layout.chunks,
+                                         .recompute = layout.recompute},
                                         parallel::Groups::of(grid));
-  const auto params = model.parameter_store().parameters();
-  auto index_of = [&](const nn::Parameter<T>& p) {
-    return static_cast<std::size_t>(std::find(params.begin(), params.end(), &p) - params.begin());
+  // Every parameter by its place in the serial model (a pipeline rank holds some).
+  std::vector<std::string> names;
+  {
+    Model whole(config(layout.layers), 99);
+    for (const nn::Parameter<T>* p : whole.parameter_store().parameters()) names.push_back(p->name);
+  }
+  const nn::Parameter<T>* copy = model.tied_copy();
+  auto target = [&](const nn::Parameter<T>& p, std::vector<std::vector<float>>& full,
+                    std::vector<float>& head_copy) -> std::vector<float>& {
+    if (&p == copy) return head_copy;
+    const auto k = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.name) - names.begin());
+    REQUIRE(k < names.size());
+    full.resize(names.size());
+    return full[k];
   };
   trainer.set_gradient_hook([&](Model&) {
     if (trainer.steps_done() != 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
-    run.grads.resize(params.size());
-    trainer.sync().for_each_owned([&](const nn::Parameter<T>& p, std::int64_t first, const float* grad, const T*,
-                                      std::int64_t n) { scatter(p, first, grad, n, run.grads[index_of(p)]); });
+    trainer.sync().for_each_owned(
+        [&](const nn::Parameter<T>& p, std::int64_t first, const float* grad, const T*, std::int64_t n) {
+          scatter(p, first, grad, n, target(p, run.grads, run.head_copy_grad));
+        });
   });
   std::vector<double> losses, norms;
   while (trainer.steps_done() < layout.steps) {
@@ -108,6 +141,10 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
     norms.push_back(s.grad_norm);
   }
   const std::lock_guard<std::mutex> lock(mutex);
+  run.stashes.resize(static_cast<std::size_t>(world.size()));
+  run.peak_stash_bytes.resize(static_cast<std::size_t>(world.size()));
+  run.stashes[static_cast<std::size_t>(world.rank())] = trainer.executor().stashes();
+  run.peak_stash_bytes[static_cast<std::size_t>(world.rank())] = trainer.executor().peak_stash_bytes();
   if (world.rank() == 0) {
     run.losses = losses;
     run.norms = norms;
@@ -115,11 +152,13 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
     run.local_parameters = model.parameter_store().numel();
     run.max_gathered_units = trainer.sync().max_gathered_units();
   }
-  run.params.resize(params.size());
-  run.names.resize(params.size());
-  for (std::size_t k = 0; k < params.size(); ++k) run.names[k] = params[k]->name;
-  trainer.sync().for_each_owned([&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value,
-                                    std::int64_t n) { scatter(p, first, value, n, run.params[index_of(p)]); });
+  run.names = names;
+  run.grads.resize(names.size());
+  run.params.resize(names.size());
+  trainer.sync().for_each_owned(
+      [&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value, std::int64_t n) {
+        scatter(p, first, value, n, target(p, run.params, run.head_copy_param));
+      });
 }
 
 // The largest relative differences of the losses, the step-1 gradients and the final

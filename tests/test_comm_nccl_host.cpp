@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -157,6 +158,19 @@ TEST_SUITE("nccl host") {
     CHECK(comm::detail::p2p_mismatch_message(send, 0, make_op(Collective::recv, DType::f32, 8, ReduceOp::sum, 0), 1,
                                              world)
               .empty());
+  }
+
+  TEST_CASE("describe_batch lists a batch's operations, the first kListedBatchOps of a long one") {
+    using comm::detail::describe_batch;
+    const std::vector<Op> pair{make_op(Collective::send, DType::f32, 4, ReduceOp::sum, 1),
+                               make_op(Collective::recv, DType::bf16, 8, ReduceOp::sum, 1)};
+    CHECK(describe_batch(pair) ==
+          "a batch of 2 sends and receives (send(f32, count 4, to 1), recv(bf16, count 8, from 1))");
+    CHECK(describe_batch(std::span(pair).first(1)) == "a batch of 1 send or receive (send(f32, count 4, to 1))");
+    const std::vector<Op> many(comm::detail::kListedBatchOps + 3, pair[1]);
+    const std::string long_one = describe_batch(many);
+    CHECK(long_one.find("a batch of 11 sends and receives (recv(bf16, count 8, from 1), ") == 0);
+    CHECK(long_one.find(", and 3 more)") != std::string::npos);
   }
 
   TEST_CASE("arrival_report names the ranks behind, those that do not answer, or why it cannot tell") {

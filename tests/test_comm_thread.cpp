@@ -1,21 +1,25 @@
 // ThreadComm: every operation x element type x world size 1..8 x awkward counts, in
 // place and out of place, synchronous and asynchronous; bitwise determinism against a
-// serial reduction in rank order; sub-communicators; and every failure mode (mismatch,
-// timeout, a rank that throws, bad buffers) against its message.
+// serial reduction in rank order; sub-communicators; batched point to point (exchanges
+// that would deadlock unbatched, a ring, message order); and every failure mode
+// (mismatch, timeout, a rank that throws, bad buffers) against its message.
 #include <doctest/doctest.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "llmpar/comm/init.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/core/rng.hpp"
 
@@ -31,7 +35,9 @@ namespace {
 
 // Small integers, so that sums over up to 8 ranks are exact in every type (bf16 holds
 // integers up to 256 exactly, u8 up to 255).
-int pattern(int rank, std::size_t i) { return static_cast<int>((static_cast<std::size_t>(rank) * 7 + i * 3) % 5) + rank % 3; }
+int pattern(int rank, std::size_t i) {
+  return static_cast<int>((static_cast<std::size_t>(rank) * 7 + i * 3) % 5) + rank % 3;
+}
 
 template <class T>
 T as(double v) {
@@ -151,7 +157,8 @@ void exercise_all(ThreadComm& c, std::size_t count, Wrong& wrong, bool async) {
     std::vector<T> recv(count * N, as<T>(99));
     auto send = filled<T>(me, count, 1000);
     if (in_place) {
-      std::copy(send.begin(), send.end(), recv.begin() + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(me)));
+      std::copy(send.begin(), send.end(),
+                recv.begin() + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(me)));
       std::span<const T> mine(recv.data() + count * static_cast<std::size_t>(me), count);
       async ? done(c.all_gather_async(mine, recv)) : c.all_gather(mine, recv);
     } else {
@@ -242,9 +249,8 @@ TEST_CASE("ThreadComm: every operation, type and world size 1..8 gives the predi
 TEST_CASE("run_threads gives each rank its share of OpenMP threads and the caller back its own count") {
   const int before = omp_get_max_threads();
   std::vector<int> seen(4, 0);
-  comm::run_threads(4, [&](ThreadComm& world) {
-    seen[static_cast<std::size_t>(world.rank())] = omp_get_max_threads();
-  });
+  comm::run_threads(4,
+                    [&](ThreadComm& world) { seen[static_cast<std::size_t>(world.rank())] = omp_get_max_threads(); });
   for (int t : seen) CHECK(t == std::max(1, before / 4));
   // Rank 0 ran on this thread: a later serial run must see the count it had before (the
   // GEMMs partition their work by it, so a changed count changes the rounding).
@@ -356,8 +362,9 @@ TEST_CASE("ThreadComm: a count that differs between ranks fails on every rank wi
   });
   REQUIRE(messages.all.size() == 2);
   for (const auto& m : messages.all)
-    CHECK_MESSAGE(contains(m, "all_reduce on group 'world' (world ranks 0, 1): element count differs between ranks: "
-                              "rank 0 has 1024, rank 1 has 1000"),
+    CHECK_MESSAGE(contains(m,
+                           "all_reduce on group 'world' (world ranks 0, 1): element count differs between ranks: "
+                           "rank 0 has 1024, rank 1 has 1000"),
                   m);
 }
 
@@ -391,7 +398,8 @@ TEST_CASE("ThreadComm: a different collective, type or root fails on every rank 
   REQUIRE(messages.all.size() == 9);
   int kinds = 0, types = 0, roots = 0;
   for (const auto& m : messages.all) {
-    kinds += contains(m, "collective differs between ranks: rank 0 has all_reduce, rank 1 has broadcast, rank 2 has all_reduce");
+    kinds += contains(
+        m, "collective differs between ranks: rank 0 has all_reduce, rank 1 has broadcast, rank 2 has all_reduce");
     types += contains(m, "element type differs between ranks: rank 0 has f32, rank 1 has f32, rank 2 has i32");
     roots += contains(m, "root differs between ranks: rank 0 has 1, rank 1 has 0, rank 2 has 0");
   }
@@ -415,8 +423,9 @@ TEST_CASE("ThreadComm: split on one rank against a barrier on another fails on b
   });
   REQUIRE(messages.all.size() == 2);
   for (const auto& m : messages.all)
-    CHECK_MESSAGE(contains(m, " on group 'world' (world ranks 0, 1): collective differs between ranks: rank 0 has "
-                              "split, rank 1 has barrier"),
+    CHECK_MESSAGE(contains(m,
+                           " on group 'world' (world ranks 0, 1): collective differs between ranks: rank 0 has "
+                           "split, rank 1 has barrier"),
                   m);
 }
 
@@ -437,8 +446,9 @@ TEST_CASE("ThreadComm: a rank that never arrives makes the others time out namin
   } catch (const Error& e) {
     message = e.what();
   }
-  CHECK_MESSAGE(contains(message, "all_reduce(f32, count 4, sum) on group 'pair' (world ranks 1, 2) timed out after "
-                                  "200 ms waiting for rank 1 (world rank 2), which did not arrive"),
+  CHECK_MESSAGE(contains(message,
+                         "all_reduce(f32, count 4, sum) on group 'pair' (world ranks 1, 2) timed out after "
+                         "200 ms waiting for rank 1 (world rank 2), which did not arrive"),
                 message);
 }
 
@@ -532,8 +542,9 @@ TEST_CASE("ThreadComm: point to point pairs in order, checks counts, and times o
   } catch (const Error& e) {
     message = e.what();
   }
-  CHECK_MESSAGE(contains(message, "recv(f32, count 3, from 0) on group 'world' (world ranks 0, 1) by rank 1 timed out "
-                                  "after 150 ms: rank 0 did not post the matching send"),
+  CHECK_MESSAGE(contains(message,
+                         "recv(f32, count 3, from 0) on group 'world' (world ranks 0, 1) by rank 1 timed out "
+                         "after 150 ms: rank 0 did not post the matching send"),
                 message);
 }
 
@@ -558,15 +569,182 @@ TEST_CASE("Collectives front end: wrong buffer sizes, roots and peers fail with 
     expect_error([&] { c.all_to_all(b, b); });
   });
   REQUIRE(messages.all.size() == 6);
-  CHECK(contains(messages.all[0], "all_gather on group 'world' (world ranks 0, 1, 2): the recv buffer holds 10 "
-                                  "elements but needs 12 (size() x the send count)"));
-  CHECK(contains(messages.all[1], "reduce_scatter on group 'world' (world ranks 0, 1, 2): the send buffer holds 10 "
-                                  "elements but needs 12 (size() x the recv count)"));
+  CHECK(contains(messages.all[0],
+                 "all_gather on group 'world' (world ranks 0, 1, 2): the recv buffer holds 10 "
+                 "elements but needs 12 (size() x the send count)"));
+  CHECK(contains(messages.all[1],
+                 "reduce_scatter on group 'world' (world ranks 0, 1, 2): the send buffer holds 10 "
+                 "elements but needs 12 (size() x the recv count)"));
   CHECK(contains(messages.all[2], "the recv buffer holds 10 elements but needs 4 (the send count)"));
-  CHECK(contains(messages.all[3], "broadcast on group 'world' (world ranks 0, 1, 2): root 3 is not a rank of this "
-                                  "group of size 3; use 0..2"));
+  CHECK(contains(messages.all[3],
+                 "broadcast on group 'world' (world ranks 0, 1, 2): root 3 is not a rank of this "
+                 "group of size 3; use 0..2"));
   CHECK(contains(messages.all[4], "rank 0 cannot send to itself"));
   CHECK(contains(messages.all[5], "does not split into size() = 3 equal blocks"));
   CHECK_THROWS_WITH_AS(comm::run_threads(0, [](ThreadComm&) {}),
                        doctest::Contains("the thread world needs at least one rank, got 0"), Error);
+}
+
+TEST_CASE("ThreadComm: a batch in which two ranks both send first exchanges their data") {
+  comm::run_threads(2, [](ThreadComm& c) {
+    const int peer = 1 - c.rank();
+    // Above the staging threshold, so a blocking send that waited for its receiver would hang.
+    const auto mine = filled<float>(c.rank(), 100'003);
+    std::vector<float> got(mine.size(), -1.f);
+    c.p2p({c.send_op(mine, peer), c.recv_op(got, peer)});
+    CHECK(got == filled<float>(peer, mine.size()));
+  });
+}
+
+TEST_CASE("ThreadComm: a batch around a ring of 4 (send to r+1, recv from r-1) moves every rank's data") {
+  comm::run_threads(4, [](ThreadComm& c) {
+    const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+    const auto mine = filled<std::int32_t>(c.rank(), 1000);
+    std::vector<std::int32_t> got(mine.size(), -1);
+    const std::array ops{c.send_op(mine, next), c.recv_op(got, prev)};
+    auto request = c.p2p_async(ops);
+    request.wait();
+    CHECK(got == filled<std::int32_t>(prev, mine.size()));
+  });
+}
+
+TEST_CASE("ThreadComm: messages keep their order within a batch and across batches, whatever the grouping") {
+  comm::run_threads(2, [](ThreadComm& c) {
+    // Rank 0 posts 5 messages to rank 1 as batches of 2, 1 and 2 (none waited on until
+    // the end); rank 1 receives them in one batch of 3 and one of 2.
+    std::vector<std::vector<std::int64_t>> messages;
+    for (std::int64_t k = 0; k < 5; ++k) messages.push_back(std::vector<std::int64_t>(3, 10 * k));
+    if (c.rank() == 0) {
+      auto a = c.p2p_async({c.send_op(messages[0], 1), c.send_op(messages[1], 1)});
+      auto b = c.p2p_async({c.send_op(messages[2], 1)});
+      auto d = c.p2p_async({c.send_op(messages[3], 1), c.send_op(messages[4], 1)});
+      d.wait();
+      a.wait();
+      b.wait();
+    } else {
+      std::vector<std::vector<std::int64_t>> got(5, std::vector<std::int64_t>(3, -1));
+      auto first = c.p2p_async({c.recv_op(got[0], 0), c.recv_op(got[1], 0), c.recv_op(got[2], 0)});
+      c.p2p({c.recv_op(got[3], 0), c.recv_op(got[4], 0)});
+      first.wait();
+      CHECK(got == messages);
+    }
+    // Batches and single sends and receives share one order too.
+    std::vector<float> x{1.f}, y{2.f}, got_x{0.f}, got_y{0.f};
+    if (c.rank() == 0) {
+      c.send(x, 1);
+      c.p2p({c.send_op(y, 1)});
+    } else {
+      c.p2p({c.recv_op(got_x, 0)});
+      c.recv(got_y, 0);
+      CHECK(got_x[0] == 1.f);
+      CHECK(got_y[0] == 2.f);
+    }
+  });
+}
+
+TEST_CASE("ThreadComm: an empty batch completes at once, and a batch of one is a send or a recv") {
+  comm::run_threads(2, [](ThreadComm& c) {
+    c.p2p({});
+    auto empty = c.p2p_async(std::span<const comm::Op>());
+    CHECK(empty.test());
+    empty.wait();
+    std::vector<float> v{static_cast<float>(c.rank())};
+    if (c.rank() == 0)
+      c.p2p({c.send_op(v, 1)});
+    else
+      c.p2p({c.recv_op(v, 0)});
+    CHECK(v[0] == 0.f);
+  });
+}
+
+TEST_CASE("ThreadComm: a batch's count mismatch fails after the rest of the batch has completed") {
+  Messages messages;
+  comm::run_threads(2, [&](ThreadComm& c) {
+    const int peer = 1 - c.rank();
+    std::vector<float> small(c.rank() == 0 ? 4 : 5), ok(8, static_cast<float>(c.rank())), got(8, -1.f);
+    try {
+      // Rank 0 sends 4 elements where rank 1 expects 5; the 8-element exchange after it
+      // in the same batch still completes on both ranks.
+      if (c.rank() == 0)
+        c.p2p({c.send_op(small, peer), c.send_op(ok, peer), c.recv_op(got, peer)});
+      else
+        c.p2p({c.recv_op(small, peer), c.recv_op(got, peer), c.send_op(ok, peer)});
+    } catch (const Error& e) {
+      messages.add(e.what());
+    }
+    CHECK(got == std::vector<float>(8, static_cast<float>(peer)));
+  });
+  REQUIRE(messages.all.size() == 2);
+  for (const auto& m : messages.all)
+    CHECK_MESSAGE(contains(m, "send(f32, count 4, to 1) by rank 0 does not match recv(f32, count 5, from 0) by rank 1"),
+                  m);
+}
+
+TEST_CASE("ThreadComm: a batch whose peer never posts times out naming the operation and the batch") {
+  comm::ThreadOptions options;
+  options.timeout = std::chrono::milliseconds(150);
+  std::string message;
+  try {
+    comm::run_threads(
+        2,
+        [&](ThreadComm& c) {
+          std::vector<float> out(3, 1.f), in(3);
+          if (c.rank() == 0) c.p2p({c.send_op(out, 1), c.recv_op(in, 1)});  // rank 1 posts nothing
+        },
+        options);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(contains(message,
+                         "send(f32, count 3, to 1) on group 'world' (world ranks 0, 1) by rank 0 (in a batch "
+                         "of 2) timed out after 150 ms: rank 1 did not post the matching recv"),
+                message);
+}
+
+TEST_CASE("Collectives front end: a batch's peers are checked like send's and recv's, and only sends and recvs batch") {
+  comm::run_threads(3, [](ThreadComm& c) {
+    if (c.rank() != 1) return;
+    std::vector<float> a(4);
+    CHECK_THROWS_WITH_AS(static_cast<void>(c.send_op(a, 3)),
+                         doctest::Contains("send on group 'world' (world ranks 0, 1, 2): peer 3 is not a rank of this "
+                                           "group of size 3; use 0..2"),
+                         Error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(c.recv_op(a, -1)),
+                         doctest::Contains("recv on group 'world' (world ranks 0, 1, 2): peer -1 is not a rank of this "
+                                           "group of size 3; use 0..2"),
+                         Error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(c.send_op(a, 1)),
+                         doctest::Contains("send on group 'world' (world ranks 0, 1, 2): rank 1 cannot send to itself; "
+                                           "copy the data instead"),
+                         Error);
+    CHECK_THROWS_WITH_AS(static_cast<void>(c.recv_op(a, 1)), doctest::Contains("rank 1 cannot recv from itself"),
+                         Error);
+    // Ops filled in by hand are checked when the batch is issued, before anything is posted.
+    comm::Op self = c.send_op(a, 0);
+    self.root = 1;
+    CHECK_THROWS_WITH_AS(c.p2p({self}), doctest::Contains("rank 1 cannot send to itself"), Error);
+    comm::Op far = c.recv_op(a, 0);
+    far.root = 7;
+    CHECK_THROWS_WITH_AS(c.p2p({far}), doctest::Contains("peer 7 is not a rank of this group of size 3"), Error);
+    comm::Op reduce;
+    reduce.kind = Collective::all_reduce;
+    reduce.type = DType::f32;
+    reduce.count = 4;
+    CHECK_THROWS_WITH_AS(c.p2p({c.send_op(a, 0), reduce}),
+                         doctest::Contains("p2p on group 'world' (world ranks 0, 1, 2): operation 1 of the batch of 2 "
+                                           "is all_reduce(f32, count 4, sum), not a send or a recv; build a batch's "
+                                           "operations with send_op() and recv_op()"),
+                         Error);
+  });
+}
+
+TEST_CASE("comm::Comm forwards a batch to the engine underneath") {
+  comm::run_threads(2, [](ThreadComm& thread) {
+    comm::Comm c(std::move(thread));
+    const int peer = 1 - c.rank();
+    std::vector<std::int64_t> mine{c.rank() + 40}, got{-1};
+    auto request = c.p2p_async({c.send_op(mine, peer), c.recv_op(got, peer)});
+    request.wait();
+    CHECK(got[0] == peer + 40);
+  });
 }

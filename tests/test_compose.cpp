@@ -4,6 +4,7 @@
 // mistakes that must not compile are tests/compile_fail/*.cpp.
 #include <doctest/doctest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
@@ -18,11 +19,11 @@ using namespace llmpar;
 
 namespace {
 
-// The trainer sketch of DESIGN.md, as far as its algorithms are built: its
-// Pipeline<OneFOneB> is not yet, and fails to compile with a sentence saying so
-// (tests/compile_fail/pipeline_not_built.cpp).
-using Sketch =
-    Compose<backend::Cpu, precision::BF16Mixed, parallel::Tensor<SequenceParallel::on>, parallel::Data<zero::Stage<2>>>;
+// The trainer sketch of DESIGN.md, with ZeRO stage 1 where it has 2: a pipeline with
+// stage 2 or 3 fails to compile with a sentence saying why
+// (tests/compile_fail/pipeline_with_zero2.cpp).
+using Sketch = Compose<backend::Cpu, precision::BF16Mixed, parallel::Tensor<SequenceParallel::on>,
+                       parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<1>>>;
 
 using Defaults = Compose<>;
 
@@ -58,11 +59,11 @@ TEST_CASE("Compose reads the built part of the DESIGN.md trainer sketch") {
   static_assert(std::is_same_v<Sketch::backend, backend::Cpu>);
   static_assert(std::is_same_v<Sketch::precision, precision::BF16Mixed>);
   static_assert(std::is_same_v<Sketch::tensor, parallel::Tensor<SequenceParallel::on>>);
-  static_assert(std::is_same_v<Sketch::pipeline, parallel::NoPipeline>);
-  static_assert(std::is_same_v<Sketch::data::Zero, zero::Stage<2>>);
+  static_assert(std::is_same_v<Sketch::pipeline, parallel::Pipeline<schedule::OneFOneB>>);
+  static_assert(std::is_same_v<Sketch::data::Zero, zero::Stage<1>>);
   static_assert(std::is_same_v<Sketch::recompute, recompute::None>);
   CHECK(Sketch::kSequenceParallel);
-  CHECK(Sketch::kZeroStage == 2);
+  CHECK(Sketch::kZeroStage == 1);
   CHECK(Sketch::kPipelineChunks == 1);
   CHECK(Sketch::kMixedPrecision);
   CHECK_FALSE(Sketch::kHasLossScale);
@@ -71,8 +72,8 @@ TEST_CASE("Compose reads the built part of the DESIGN.md trainer sketch") {
 }
 
 TEST_CASE("Compose does not depend on the order of its tags") {
-  using Reordered = Compose<parallel::Data<zero::Stage<2>>, parallel::Tensor<SequenceParallel::on>,
-                            precision::BF16Mixed, backend::Cpu>;
+  using Reordered = Compose<parallel::Data<zero::Stage<1>>, parallel::Tensor<SequenceParallel::on>,
+                            parallel::Pipeline<schedule::OneFOneB>, precision::BF16Mixed, backend::Cpu>;
   static_assert(std::is_same_v<Sketch, Reordered>);
   static_assert(std::is_same_v<Compose<recompute::None, backend::Cuda>, Compose<backend::Cuda, recompute::None>>);
   static_assert(std::is_same_v<Compose<backend::Cuda, precision::BF16Mixed>::backend, backend::Cuda>);
@@ -154,14 +155,19 @@ TEST_CASE("precision policies name their storage, compute, gradient and master t
 
 namespace {
 
-// A user's layer as DESIGN.md has one: y = x * w elementwise over C = 1.
+// A user's layer as DESIGN.md has one: y = x * w elementwise over C = 1. Its Saved is
+// empty (backward needs only x, which the caller passes again).
 template <class T, class Backend>
 struct ScaleLayer {
+  struct Saved {
+    std::size_t bytes() const { return 0; }
+  };
   nn::Parameter<T> weight{"scale.weight", {1}, nn::Init::ones(), false};
-  void forward(typename Backend::Context&, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+  void forward(typename Backend::Context&, Saved&, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
     for (std::int64_t i = 0; i < batch * seq; ++i) out[i] = x[i] * weight.value[0];
   }
-  void backward(typename Backend::Context&, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
+  void backward(typename Backend::Context&, Saved&, T* dx, const T* dout, const T* x, std::int64_t batch,
+                std::int64_t seq) {
     for (std::int64_t i = 0; i < batch * seq; ++i) {
       dx[i] = dout[i] * weight.value[0];
       weight.grad[0] += dout[i] * x[i];
@@ -173,10 +179,43 @@ struct ScaleLayer {
   }
 };
 
+struct EmptySaved {
+  std::size_t bytes() const { return 0; }
+};
+
 struct NoForward {
+  using Saved = EmptySaved;
+  void backward(backend::Cpu::Context&, Saved&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
+  template <class Visit>
+  void parameters(Visit&&) {}
+};
+
+// Forward and backward of the concept before Saved: where it keeps its activations the
+// caller cannot see, so it is not a Layer (tests/compile_fail/layer_missing_saved.cpp).
+struct NoSaved {
+  void forward(backend::Cpu::Context&, float*, const float*, std::int64_t, std::int64_t) {}
   void backward(backend::Cpu::Context&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
   template <class Visit>
   void parameters(Visit&&) {}
+};
+
+// A Saved without bytes() does not count.
+struct SavedWithoutBytes {
+  struct Saved {};
+  void forward(backend::Cpu::Context&, Saved&, float*, const float*, std::int64_t, std::int64_t) {}
+  void backward(backend::Cpu::Context&, Saved&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
+  template <class Visit>
+  void parameters(Visit&&) {}
+};
+
+// A block that can drop its attention core's outputs.
+struct Selective {
+  using Saved = EmptySaved;
+  void forward(backend::Cpu::Context&, Saved&, float*, const float*, std::int64_t, std::int64_t) {}
+  void backward(backend::Cpu::Context&, Saved&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
+  template <class Visit>
+  void parameters(Visit&&) {}
+  void set_selective_recompute(bool) {}
 };
 
 }  // namespace
@@ -189,9 +228,15 @@ TEST_CASE("the Layer concept accepts a user layer and names what a type lacks") 
   static_assert(!nn::HasLayerForward<ScaleLayer<float, backend::Cpu>, backend::Cpu, double>);
   static_assert(!nn::Layer<NoForward, backend::Cpu>);
   static_assert(!nn::HasLayerForward<NoForward, backend::Cpu>);
-  static_assert(nn::HasLayerBackward<NoForward, backend::Cpu> && nn::HasParameters<NoForward>);
+  static_assert(nn::HasSaved<NoForward> && nn::HasLayerBackward<NoForward, backend::Cpu> &&
+                nn::HasParameters<NoForward>);
+  static_assert(!nn::HasSaved<NoSaved> && !nn::Layer<NoSaved, backend::Cpu> && nn::HasParameters<NoSaved>);
+  static_assert(!nn::HasSaved<SavedWithoutBytes> && !nn::Layer<SavedWithoutBytes, backend::Cpu>);
   static_assert(!nn::Layer<int, backend::Cpu>);
-  // GPT2Block is a Layer (its 6-argument backward uses a scratch of its own).
+  // Selective recomputation is a block's option, not part of being a Layer.
+  static_assert(nn::Layer<Selective, backend::Cpu> && nn::HasSelectiveRecompute<Selective>);
+  static_assert(!nn::HasSelectiveRecompute<ScaleLayer<float, backend::Cpu>>);
+  // GPT2Block is a Layer.
   static_assert(nn::check_layer<models::GPT2Block<float>, backend::Cpu>());
 
   ScaleLayer<float, backend::Cpu> layer;
@@ -201,8 +246,9 @@ TEST_CASE("the Layer concept accepts a user layer and names what a type lacks") 
   backend::Cpu::Context ctx;
   const float x[2] = {1.0f, 2.0f};
   float y[2] = {}, dy[2] = {1.0f, 1.0f}, dx[2] = {};
-  layer.forward(ctx, y, x, 1, 2);
-  layer.backward(ctx, dx, dy, x, 1, 2);
+  ScaleLayer<float, backend::Cpu>::Saved saved;
+  layer.forward(ctx, saved, y, x, 1, 2);
+  layer.backward(ctx, saved, dx, dy, x, 1, 2);
   CHECK(y[1] == 6.0f);
   CHECK(dx[0] == 3.0f);
   CHECK(dw == 3.0f);

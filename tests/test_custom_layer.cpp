@@ -1,13 +1,17 @@
 // The user-defined LLaMA-style block of examples/custom_layer.hpp, checked the way
 // llmpar checks its own layers: the user's rotary and SwiGLU code and nn::RMSNorm
-// against central finite differences in double, the whole model's gradient likewise,
-// and the model split over tp = 1, 2, 4 thread ranks against the serial run (five AdamW
-// steps: same losses, same gathered parameters to 1e-5 relative in fp32).
+// against central finite differences in double, the block's selective recomputation
+// against keeping its activations (bitwise, two micro-batches in flight), the whole
+// model's gradient against finite differences, and the model split over tp = 1, 2, 4
+// thread ranks against the serial run (five AdamW steps: same losses, same gathered
+// parameters to 1e-5 relative in fp32).
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -153,17 +157,131 @@ TEST_CASE("nn::RMSNorm backward (dx and dweight) matches finite differences in d
   std::vector<double> x = random_vector(rows * C, "x");
   const std::vector<double> w = random_vector(rows * C, "w");
   std::vector<double> out(x.size()), dx(x.size());
+  nn::RMSNorm<double>::Saved saved;
   auto f = [&] {
     std::copy(gain.begin(), gain.end(), weight.value);
-    norm.forward(ctx, out.data(), x.data(), rows);
+    norm.forward(ctx, saved, out.data(), x.data(), rows);
     return dot(w, out);
   };
   f();
+  CHECK(saved.bytes() == rows * sizeof(double));  // 1/rms per row, nothing else
   store.zero_grad();
-  norm.backward(ctx, dx.data(), w.data(), x.data(), rows);
+  norm.backward(ctx, saved, dx.data(), w.data(), x.data(), rows);
   const std::vector<double> dweight(weight.grad, weight.grad + C);
   CHECK(worst_fd_error(x, f, dx) < 1e-7);
   CHECK(worst_fd_error(gain, f, dweight) < 1e-7);
+}
+
+namespace {
+
+// One LlamaBlock, two micro-batches in flight as a 1F1B pipeline stage runs them
+// (forward a, forward b, backward a, backward b, each with its own Saved): what came
+// out, and what the Saveds and the block's scratch held.
+struct BlockRun {
+  std::vector<float> out, dx;  // both micro-batches, a then b
+  std::vector<float> grads;    // the parameter store's flat gradient buffer
+  std::size_t saved_bytes = 0, scratch_bytes = 0;
+};
+
+BlockRun run_block(bool selective, nn::TensorParallelGroup tp = {}) {
+  using Block = custom_layer::LlamaBlock<float>;
+  backend::cpu::Context ctx;
+  LlamaConfig cfg = small_config();
+  cfg.init_std = 0.2f;  // attention far from uniform
+  Block block("layers.0", cfg, tp);
+  block.set_selective_recompute(selective);
+  CHECK(block.selective_recompute() == selective);
+  nn::ParameterStore<float> store;
+  store.bind(block);
+  store.initialize(3);
+  const std::int64_t B = 2, S = 8, n = tp.local_rows(B * S) * cfg.dim;
+  auto floats = [&](std::string_view name) {
+    const std::vector<double> v = random_vector(n, name);
+    return std::vector<float>(v.begin(), v.end());
+  };
+  const std::vector<float> x[2] = {floats("x.a"), floats("x.b")};
+  const std::vector<float> dout[2] = {floats("dout.a"), floats("dout.b")};
+  Block::Saved saved[2];
+  BlockRun run;
+  run.out.resize(static_cast<std::size_t>(2 * n));
+  run.dx.resize(static_cast<std::size_t>(2 * n));
+  for (int m = 0; m < 2; ++m) block.forward(ctx, saved[m], run.out.data() + m * n, x[m].data(), B, S);
+  run.saved_bytes = saved[0].bytes();
+  CHECK(saved[1].bytes() == run.saved_bytes);
+  for (int m = 0; m < 2; ++m) block.backward(ctx, saved[m], run.dx.data() + m * n, dout[m].data(), x[m].data(), B, S);
+  run.grads.assign(store.grads(), store.grads() + store.flat_size());
+  run.scratch_bytes = block.scratch_bytes();
+  return run;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void check_selective_like_kept(nn::TensorParallelGroup tp) {
+  const BlockRun kept = run_block(false, tp), recomputed = run_block(true, tp);
+  CHECK(same_bits(recomputed.out, kept.out));
+  CHECK(same_bits(recomputed.dx, kept.dx));
+  CHECK(same_bits(recomputed.grads, kept.grads));
+  // Not vacuous: the micro-batches differ, so a backward that read the other one's
+  // attention output (left in the scratch by the last forward) would not match.
+  const std::size_t half = kept.dx.size() / 2;
+  CHECK_FALSE(std::equal(kept.dx.begin(), kept.dx.begin() + static_cast<std::ptrdiff_t>(half),
+                         kept.dx.begin() + static_cast<std::ptrdiff_t>(half)));
+  CHECK(std::any_of(kept.grads.begin(), kept.grads.end(), [](float g) { return g != 0.0f; }));
+  // What a Saved no longer holds: the attention output (B, S, C/tp) and its lse
+  // (B, NH/tp, S), which the block's scratch holds instead, once for every micro-batch.
+  const LlamaConfig cfg = small_config();
+  const std::size_t B = 2, S = 8,
+                    dropped = (B * S * static_cast<std::size_t>(cfg.dim / tp.size()) +
+                               B * static_cast<std::size_t>(cfg.heads / tp.size()) * S) *
+                              sizeof(float);
+  CHECK(recomputed.saved_bytes < kept.saved_bytes);
+  CHECK(kept.saved_bytes - recomputed.saved_bytes == dropped);
+  CHECK(recomputed.scratch_bytes - kept.scratch_bytes == dropped);
+  MESSAGE("tp ", tp.size(), std::string(tp.sequence_parallel() ? " with" : " without"),
+          " sequence parallelism: Saved of one micro-batch ", kept.saved_bytes, " bytes, ", recomputed.saved_bytes,
+          " with selective recomputation");
+}
+
+}  // namespace
+
+TEST_CASE(
+    "LlamaBlock with selective recomputation gives bitwise the same outputs, input gradients and parameter "
+    "gradients as keeping the attention core's outputs, and keeps fewer bytes per micro-batch") {
+  check_selective_like_kept({});
+  // Split over 2 ranks with sequence parallelism: the gathered rows and partial sums
+  // share the scratch with the recomputed attention.
+  comm::run_threads(2, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    check_selective_like_kept(nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+  });
+}
+
+TEST_CASE("a LlamaBlock Saved filled without selective recomputation still serves backward after it is turned on") {
+  using Block = custom_layer::LlamaBlock<float>;
+  backend::cpu::Context ctx;
+  const LlamaConfig cfg = small_config();
+  const std::int64_t B = 1, S = 4, n = B * S * cfg.dim;
+  Block block("layers.0", cfg);
+  nn::ParameterStore<float> store;
+  store.bind(block);
+  store.initialize(3);
+  const std::vector<double> xd = random_vector(n, "x"), doutd = random_vector(n, "dout");
+  const std::vector<float> x(xd.begin(), xd.end()), dout(doutd.begin(), doutd.end());
+  std::vector<float> out(static_cast<std::size_t>(n)), dx_kept(out.size()), dx_switched(out.size());
+  Block::Saved saved;
+  block.forward(ctx, saved, out.data(), x.data(), B, S);
+  block.backward(ctx, saved, dx_kept.data(), dout.data(), x.data(), B, S);
+  const std::size_t kept_bytes = saved.bytes();
+  block.forward(ctx, saved, out.data(), x.data(), B, S);
+  block.set_selective_recompute(true);  // between a forward and its backward
+  block.backward(ctx, saved, dx_switched.data(), dout.data(), x.data(), B, S);
+  CHECK(same_bits(dx_switched, dx_kept));
+  block.forward(ctx, saved, out.data(), x.data(), B, S);  // now the Saved drops them
+  CHECK(saved.bytes() < kept_bytes);
+  block.backward(ctx, saved, dx_switched.data(), dout.data(), x.data(), B, S);
+  CHECK(same_bits(dx_switched, dx_kept));
 }
 
 TEST_CASE("the LLaMA model's gradients of every parameter match central finite differences in double") {

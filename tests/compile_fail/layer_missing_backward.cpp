@@ -1,6 +1,7 @@
-// A layer whose backward takes an extra scratch argument, so backward(ctx, dx, dout, x,
-// batch, seq) does not exist.
-// expect: llmpar: this layer type has no backward(ctx, dx, dout, x, batch, seq) member
+// A layer whose backward takes an extra scratch argument, so backward(ctx, saved, dx,
+// dout, x, batch, seq) does not exist.
+// expect: llmpar: this layer type has no backward(ctx, saved, dx, dout, x, batch, seq) member
+#include <cstddef>
 #include <cstdint>
 #include <llmpar/nn/layer.hpp>
 using namespace llmpar;
@@ -13,8 +14,12 @@ struct TinyBackend {  // the least a backend tag provides, so no kernel headers 
 
 struct Scratch {};
 struct NoBackward {
-  void forward(TinyBackend::Context&, float*, const float*, std::int64_t, std::int64_t) {}
-  void backward(TinyBackend::Context&, float*, const float*, const float*, std::int64_t, std::int64_t, Scratch&) {}
+  struct Saved {
+    std::size_t bytes() const { return 0; }
+  };
+  void forward(TinyBackend::Context&, Saved&, float*, const float*, std::int64_t, std::int64_t) {}
+  void backward(TinyBackend::Context&, Saved&, float*, const float*, const float*, std::int64_t, std::int64_t,
+                Scratch&) {}
   template <class Visit>
   void parameters(Visit&&) {}
 };

@@ -1,5 +1,6 @@
 // A layer without parameters(visit).
 // expect: llmpar: this layer type has no parameters(visit) member
+#include <cstddef>
 #include <cstdint>
 #include <llmpar/nn/layer.hpp>
 using namespace llmpar;
@@ -11,8 +12,11 @@ struct TinyBackend {  // the least a backend tag provides, so no kernel headers 
 };
 
 struct NoParameters {
-  void forward(TinyBackend::Context&, float*, const float*, std::int64_t, std::int64_t) {}
-  void backward(TinyBackend::Context&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
+  struct Saved {
+    std::size_t bytes() const { return 0; }
+  };
+  void forward(TinyBackend::Context&, Saved&, float*, const float*, std::int64_t, std::int64_t) {}
+  void backward(TinyBackend::Context&, Saved&, float*, const float*, const float*, std::int64_t, std::int64_t) {}
 };
 
 static_assert(nn::check_layer<NoParameters, TinyBackend>());

@@ -7,7 +7,9 @@
 // every type, so each rank checks its results against a host reduction element by
 // element (comm::detail::combine/finish, the reference ThreadComm uses too): every
 // collective x every element type x counts 0, 1, 7, 1000, 2^20, out of place and in
-// place; send/recv between pairs; barrier. Then what only a GPU engine has: the compute
+// place; send/recv between pairs; barrier; batches of sends and receives (p2p: pairs
+// that both send first, a ring, order across batches, one NCCL group to itself on a
+// single device, verify mode). Then what only a GPU engine has: the compute
 // stream ordering and wait_on(), test(), split(), verify mode's buffer check, and a
 // timeout that aborts the communicator. Exit codes: 0 pass, 1 failure, 77 skipped (no
 // CUDA device, fewer devices than ranks, or llmpar built without NCCL).
@@ -23,6 +25,7 @@ int main() {
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -40,8 +43,10 @@ namespace {
 
 using llmpar::bf16;
 using llmpar::f16;
+using llmpar::comm::Collective;
 using llmpar::comm::NcclComm;
 using llmpar::comm::NcclOptions;
+using llmpar::comm::Op;
 using llmpar::comm::ReduceOp;
 
 constexpr int kSkip = 77;
@@ -283,6 +288,90 @@ void check_type(NcclComm& comm, Checker& checker) {
   if (me == 0) std::printf("%-5s every collective, counts 0..2^20, out of place and in place: checked\n", type.c_str());
 }
 
+// A send and a receive of `count` elements to and from `peer` as raw Ops (the front end
+// refuses a peer that is this rank; the engine core does not, and NCCL runs it).
+template <class T>
+std::array<Op, 2> self_exchange(DeviceBuffer<T>& send, DeviceBuffer<T>& recv, std::size_t count, int peer) {
+  std::array<Op, 2> ops{};
+  for (Op& op : ops) {
+    op.type = llmpar::dtype_of<T>();
+    op.count = count;
+    op.root = peer;
+  }
+  ops[0].kind = Collective::send;
+  ops[0].send = send.data();
+  ops[1].kind = Collective::recv;
+  ops[1].recv = recv.data();
+  return ops;
+}
+
+// Batches: every rank sends first in each (unbatched, that deadlocks on NCCL), to its
+// pair partner and around the ring; two batches in flight at once keep their order; on
+// one rank, a batch to itself (one NCCL group on a single device).
+template <class T>
+void check_batch(NcclComm& comm, Checker& checker) {
+  const int n = comm.size(), me = comm.rank();
+  const std::string type(llmpar::name_of(llmpar::dtype_of<T>()));
+  for (const std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{1} << 20}) {
+    const std::string suffix = " " + type + " count " + std::to_string(count);
+    DeviceBuffer<T> send(count), recv(count), second(count);
+    send.upload(inputs<T>(me, count));
+    if (n == 1) {
+      const auto ops = self_exchange(send, recv, count, 0);
+      comm.start_batch(ops).wait();
+      checker.check(
+          "batch to itself" + suffix, recv.download(), [&](std::size_t i) { return input<T>(0, i); }, ReduceOp::sum, n);
+      continue;
+    }
+    if (const int peer = me ^ 1; peer < n) {
+      comm.p2p({comm.send_op(std::span<const T>(send.span()), peer), comm.recv_op(recv.span(), peer)});
+      checker.check(
+          "batch exchange with " + std::to_string(peer) + suffix, recv.download(),
+          [&](std::size_t i) { return input<T>(peer, i); }, ReduceOp::sum, n);
+    }
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    // Two batches in flight: the first message from prev lands in recv, the second in `second`.
+    DeviceBuffer<T> other(count);
+    other.upload(inputs<T>(me + n, count));
+    auto first = comm.p2p_async({comm.send_op(std::span<const T>(send.span()), next), comm.recv_op(recv.span(), prev)});
+    auto then =
+        comm.p2p_async({comm.send_op(std::span<const T>(other.span()), next), comm.recv_op(second.span(), prev)});
+    then.wait();
+    first.wait();
+    checker.check(
+        "batch ring, first" + suffix, recv.download(), [&](std::size_t i) { return input<T>(prev, i); }, ReduceOp::sum,
+        n);
+    checker.check(
+        "batch ring, second" + suffix, second.download(), [&](std::size_t i) { return input<T>(prev + n, i); },
+        ReduceOp::sum, n);
+  }
+  comm.p2p({});
+  auto empty = comm.p2p_async(std::span<const Op>());
+  if (!empty.test()) checker.fail("an empty batch was not finished at once");
+  empty.wait_on(comm.stream());
+  checker.pass();
+  if (me == 0) std::printf("%-5s batches of sends and receives: checked\n", type.c_str());
+}
+
+// A batch in verify mode: every rank's sends announce themselves before its receives
+// check, so a batch that sends first on every rank passes the check too.
+void check_batch_verify(NcclComm& world, Checker& checker) {
+  NcclComm comm(MPI_COMM_WORLD, world.device(), NcclOptions{.timeout = std::chrono::seconds(60), .verify = true},
+                "verified batch");
+  const int n = comm.size(), me = comm.rank();
+  const std::size_t count = 4096;
+  DeviceBuffer<float> send(count), recv(count);
+  send.upload(inputs<float>(me, count));
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  if (n == 1)
+    comm.start_batch(self_exchange(send, recv, count, 0)).wait();
+  else
+    comm.p2p({comm.send_op(std::span<const float>(send.span()), next), comm.recv_op(recv.span(), prev)});
+  checker.check(
+      "verify mode: batch", recv.download(), [&](std::size_t i) { return input<float>(prev, i); }, ReduceOp::sum, n);
+  if (me == 0) std::printf("verify mode: batch checked\n");
+}
+
 __global__ void fill_kernel(float* out, std::size_t n, float value) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
@@ -479,6 +568,10 @@ int main(int argc, char** argv) {
       check_type<std::int32_t>(world, checker);
       check_type<std::int64_t>(world, checker);
       check_type<std::uint8_t>(world, checker);
+      check_batch<float>(world, checker);
+      check_batch<bf16>(world, checker);
+      check_batch<std::int64_t>(world, checker);
+      check_batch_verify(world, checker);
       check_streams(world, checker);
       check_default_stream(world, checker);
       check_split(world, checker);

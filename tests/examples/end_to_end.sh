@@ -22,7 +22,12 @@
 #                 2 (tp 2 x dp 2) and 3 (with and without overlap); bad --ranks, --tp and
 #                 --sp are named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags), and
-#                 ZeRO 3 over the two processes
+#                 ZeRO 3 and a 2-stage 1F1B pipeline over the two processes
+#   pipeline      --pp 2 with every schedule (gpipe, 1f1b, interleaved with 2 virtual
+#                 stages, zb), recompute selective and full, and tp 2 x pp 2 with sp and
+#                 ZeRO 1 on 4 ranks, train as one rank does with the same micro-batches:
+#                 the same losses step by step; --trace writes a Chrome trace of every
+#                 rank's actions; bad pipeline flags are named before the first step
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
@@ -97,6 +102,18 @@ case "$case" in
       --global-batch 16 --batch 8 --grad-accum 3
     no_step "--zero 4 is not a ZeRO stage; use 0 (replicated), 1" "$bin/train_gpt" --zero 4
     no_step "--bucket-mb 0; the gradient bucket size must be a positive number of MiB" "$bin/train_gpt" --bucket-mb 0
+    no_step "the model has 4 layers but the pipeline has 4 stages x 2 chunks = 8 virtual stages" "$bin/train_gpt" \
+      --ranks 4 --pp 4 --schedule interleaved --virtual-stages 2 --grad-accum 4
+    no_step "needs the micro-batches per step (3, from --grad-accum or --global-batch) to be a multiple of --pp 2" \
+      "$bin/train_gpt" --ranks 2 --pp 2 --schedule interleaved --virtual-stages 2 --grad-accum 3
+    no_step "--zero 2 with --pp 2: ZeRO stages 2 and 3 reduce and gather per micro-batch" "$bin/train_gpt" --ranks 2 \
+      --pp 2 --zero 2
+    no_step "--virtual-stages 2 needs --schedule interleaved" "$bin/train_gpt" --ranks 2 --pp 2 --virtual-stages 2
+    no_step "--schedule zb needs --pp 2 or more" "$bin/train_gpt" --schedule zb
+    no_step "the partition's stages hold 3 layers but the model has 4" "$bin/train_gpt" --ranks 2 --pp 2 --partition 1,2
+    no_step "--sample-tokens 10 with --pp 2: sampling runs the whole model on one rank" "$bin/train_gpt" --ranks 2 \
+      --pp 2 --sample-tokens 10
+    no_step "--tp 2 x --pp 2 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 2 --pp 2
     ;;
   mfu)
     for precision in fp32 bf16; do
@@ -145,6 +162,15 @@ case "$case" in
         --metrics zero3.jsonl | tee zero3.txt
       grep -q '2 ranks (mpi; tp 1 x dp 2, ZeRO 3) x micro-batch 2 x .*, grad accum 2 (global batch 8)' zero3.txt ||
         fail "mpirun -np 2 train_gpt --zero 3 did not run ZeRO 3 with 2 micro-batches of 2"
+      # A 2-stage pipeline over the two processes: 4 micro-batches of 2 per step, as one
+      # rank accumulates them.
+      "$bin/train_gpt" "${common[@]}" --batch 2 --grad-accum 4 --metrics one_accum.jsonl >one_accum.txt
+      "${launcher[@]}" -np 2 "$bin/train_gpt" "${common[@]}" --pp 2 --batch 2 --grad-accum 4 --metrics pp.jsonl |
+        tee pp.txt
+      grep -q '2 ranks (mpi; tp 1 x pp 2 x dp 1, ZeRO 0)' pp.txt || fail "mpirun -np 2 train_gpt --pp 2 did not run 2 stages"
+      paste <(grep -o '"loss":[^,}]*' one_accum.jsonl | cut -d: -f2) <(grep -o '"loss":[^,}]*' pp.jsonl | cut -d: -f2) |
+        awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * $1) { print "step " NR ": " $1 " vs " $2; bad = 1 } }
+             END { exit bad || NR != 5 }' || fail "a 2-stage pipeline over 2 MPI processes did not reproduce the 1-rank losses"
     fi
     losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
     [[ $(losses one.jsonl | wc -l) == 5 ]] || fail "one.jsonl lacks 5 step losses"
@@ -195,6 +221,45 @@ case "$case" in
     if [[ "$case" == ranks ]]; then
       expect_error "--ranks 0 is not a positive whole number" "$bin/train_gpt" --ranks 0
     fi
+    ;;
+  pipeline)
+    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --peak-gflops 50 --no-shuffle --batch 2 --grad-accum 4)
+    "$bin/train_gpt" "${common[@]}" --metrics one.jsonl | tee one.txt
+    run() {  # run NAME FLAGS...: a layout's run, its losses in NAME.jsonl
+      local name="$1"
+      shift
+      "$bin/train_gpt" "${common[@]}" "$@" --metrics "$name.jsonl" | tee "$name.txt"
+    }
+    run gpipe --ranks 2 --pp 2 --schedule gpipe
+    run 1f1b --ranks 2 --pp 2 --schedule 1f1b --trace trace.json
+    run interleaved --ranks 2 --pp 2 --schedule interleaved --virtual-stages 2
+    run zb --ranks 2 --pp 2 --schedule zb --recompute selective
+    run full --ranks 2 --pp 2 --recompute full --partition 1,3
+    run selective --recompute selective
+    run 3d --ranks 4 --tp 2 --sp --pp 2 --zero 1
+    grep -q 'pipeline: 2 stages x 2 chunks, schedule interleaved, layers per virtual stage 1,1,1,1' interleaved.txt ||
+      fail "the interleaved run did not say its layout"
+    grep -q '4 ranks (thread; tp 2 sp x pp 2 x dp 1, ZeRO 1)' 3d.txt || fail "the 3D run did not say its layout"
+    grep -q 'bubble' 1f1b.txt || fail "the pipeline's step lines do not show its bubble"
+    losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
+    for layout in gpipe 1f1b interleaved zb full selective 3d; do
+      paste <(losses one.jsonl) <(losses $layout.jsonl) | awk -v layout=$layout '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (" layout ")"; bad = 1 }
+        } END { exit bad || NR != 5 }' || fail "$layout did not reproduce the 1-rank losses"
+    done
+    # The trace: Chrome's JSON, both ranks' forwards and backwards of step 2, and waits.
+    python3 - trace.json <<'PY' || fail "trace.json is not the pipeline's Chrome trace"
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+slices = [e for e in events if e["ph"] == "X"]
+ranks = {e["tid"] for e in slices}
+work = [e for e in slices if e["cat"] in ("F", "B")]
+assert ranks == {0, 1}, ranks
+assert len(work) == 2 * 2 * 4, len(work)  # 2 ranks x (F + B) x 4 micro-batches
+assert any(e["name"] == "wait" for e in slices), "no wait slices"
+print("trace: %d slices on ranks %s" % (len(slices), sorted(ranks)))
+PY
     ;;
   cuda)
     base=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle)

@@ -3,8 +3,10 @@
 // blocking and asynchronous, on the world, on split groups and on groups of one rank,
 // against results each rank predicts exactly: inputs are small integers, so sums over
 // a few ranks are exact in bf16 and f16 and every result can be compared bit for bit.
-// Then the error paths: verify mode, timeouts, MPI's int counts, overlapping buffers,
-// mismatched send/recv counts.
+// Batched send/recv (p2p) on the same cases: pairs that both send first (at 1 << 20
+// elements, past any eager limit), a ring, message order across batches, a Grid's
+// embedding group. Then the error paths: verify mode, timeouts, MPI's int counts,
+// overlapping buffers, mismatched send/recv counts (alone and in a batch).
 #include <doctest/doctest.h>
 
 #include <array>
@@ -13,6 +15,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
+#include <llmpar/comm/grid.hpp>
 #include <llmpar/comm/mpi_comm.hpp>
 #include <map>
 #include <span>
@@ -115,6 +119,7 @@ class Suite {
     broadcast(c);
     all_to_all(c);
     send_recv(c);
+    batch(c);
     go(
         c.mode, [&] { comm_.barrier(); }, [&] { return comm_.barrier_async(); });
   }
@@ -285,6 +290,29 @@ class Suite {
     }
     expect(
         recv, [&](std::size_t i) { return value<T>(input(partner, i)); }, "send/recv", c);
+  }
+
+  // One batch in which ranks 2k and 2k+1 both send first, then one around the ring
+  // (send to rank + 1, recv from rank - 1); p2p, or p2p_async and wait.
+  void batch(const Case& c) {
+    const auto issue = [&](std::initializer_list<Op> ops) {
+      go(
+          c.mode, [&] { comm_.p2p(ops); }, [&] { return comm_.p2p_async(ops); });
+    };
+    const std::vector<T> send = inputs(c.count);
+    if (const int partner = rank_ ^ 1; partner < size_) {
+      std::vector<T> recv(c.count, value<T>(kUntouched));
+      issue({comm_.send_op(send, partner), comm_.recv_op(recv, partner)});
+      expect(
+          recv, [&](std::size_t i) { return value<T>(input(partner, i)); }, "p2p exchange", c);
+    }
+    if (size_ > 1) {
+      const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+      std::vector<T> recv(c.count, value<T>(kUntouched));
+      issue({comm_.send_op(send, next), comm_.recv_op(recv, prev)});
+      expect(
+          recv, [&](std::size_t i) { return value<T>(input(prev, i)); }, "p2p ring", c);
+    }
   }
 
   MpiComm& comm_;
@@ -605,6 +633,127 @@ TEST_CASE("a recv checks that its send carried the count it expects") {
     CHECK_THROWS_WITH_AS(world.recv_async(eight, 0).wait(), doctest::Contains("MPI_ERR_TRUNCATE"), Error);
   }
   world.barrier();
+}
+
+TEST_CASE("batches keep the order of the messages between two ranks, within and across batches") {
+  INFO("world rank " << world_rank());
+  if (alone()) return;
+  auto world = MpiComm::world();
+  std::vector<std::vector<std::int64_t>> messages;
+  for (std::int64_t k = 0; k < 5; ++k) messages.push_back(std::vector<std::int64_t>(1000, 10 * k));
+  if (world.rank() == 0) {
+    // Five messages to rank 1 in batches of 2, 1 and 2, none waited on before the last.
+    auto a = world.p2p_async({world.send_op(messages[0], 1), world.send_op(messages[1], 1)});
+    auto b = world.p2p_async({world.send_op(messages[2], 1)});
+    world.p2p({world.send_op(messages[3], 1), world.send_op(messages[4], 1)});
+    b.wait();
+    a.wait();
+    world.send(messages[0], 1);  // and a single send after them
+  } else if (world.rank() == 1) {
+    std::vector<std::vector<std::int64_t>> got(6, std::vector<std::int64_t>(1000, -1));
+    auto first = world.p2p_async({world.recv_op(got[0], 0), world.recv_op(got[1], 0), world.recv_op(got[2], 0)});
+    world.p2p({world.recv_op(got[3], 0), world.recv_op(got[4], 0), world.recv_op(got[5], 0)});
+    first.wait();
+    got.pop_back();
+    CHECK(got == messages);
+  }
+  world.barrier();
+}
+
+TEST_CASE("an empty batch completes at once; a batch's requests move and test like any other") {
+  INFO("world rank " << world_rank());
+  auto world = MpiComm::world();
+  world.p2p({});
+  auto empty = world.p2p_async(std::span<const Op>());
+  CHECK(empty.test());
+  empty.wait();
+  if (world.size() > 1 && world.rank() < 2) {
+    const int peer = 1 - world.rank();
+    std::vector<float> mine(64, static_cast<float>(world.rank())), got(64, -1.0f);
+    auto request = world.p2p_async({world.send_op(mine, peer), world.recv_op(got, peer)});
+    MpiComm::Request moved = std::move(request);
+    request.wait();  // moved from: nothing to wait for
+    while (!moved.test()) {
+    }
+    CHECK(got[63] == static_cast<float>(peer));
+  }
+  world.barrier();
+}
+
+TEST_CASE("a recv in a batch checks that its send carried the count it expects, once the whole batch is done") {
+  INFO("world rank " << world_rank());
+  if (alone()) return;
+  auto world = MpiComm::world();
+  std::vector<float> ok(16, static_cast<float>(world.rank()));
+  if (world.rank() == 0) {
+    std::vector<float> seven(7, 1.0f);
+    world.p2p({world.send_op(seven, 1), world.send_op(ok, 1)});
+  } else if (world.rank() == 1) {
+    std::vector<float> eight(8), got(16, -1.0f);
+    CHECK_THROWS_WITH_AS(world.p2p({world.recv_op(eight, 0), world.recv_op(got, 0)}),
+                         doctest::Contains("the matching send from rank 0 carried 7 elements, not 8"), Error);
+    CHECK(got[15] == 0.0f);  // the batch's other recv completed before the error was thrown
+  }
+  world.barrier();
+}
+
+TEST_CASE("a batch whose peer posts late times out, naming the operation that waits and the batch") {
+  INFO("world rank " << world_rank());
+  if (alone()) return;
+  auto world = MpiComm::world();
+  {
+    MpiOptions options;
+    options.timeout = std::chrono::milliseconds(world.rank() == 0 ? 300 : 60000);
+    auto comm = MpiComm::world(options);
+    std::vector<float> out(8, 2.0f), in(8);
+    if (world.rank() == 0) {
+      std::string message;
+      try {
+        comm.p2p({comm.send_op(out, 1), comm.recv_op(in, 1)});  // the small send completes eagerly
+      } catch (const Error& e) {
+        message = e.what();
+      }
+      CHECK_MESSAGE(message.find("recv(f32, count 8, from 1) (in a batch of 2) on " + comm.group().describe() +
+                                 " timed out after 300 ms on rank 0, waiting for rank 1, which has not posted the "
+                                 "matching send (this is recv #1 from rank 1; rank 1 has posted 0 sends to rank 0)") !=
+                        std::string::npos,
+                    message);
+      CHECK_THROWS_WITH_AS(comm.barrier(), doctest::Contains("is broken"), Error);
+    } else if (world.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+      comm.p2p({comm.recv_op(in, 0), comm.send_op(out, 0)});
+    }
+    world.barrier();
+  }
+  world.barrier();
+}
+
+TEST_CASE("a Grid over MPI: the embedding group joins the first and last stage, pp_grad mirrors pp") {
+  INFO("world rank " << world_rank());
+  auto world = MpiComm::world();
+  const int n = world.size(), r = world.rank();
+  Grid grid(world, {.pp = n});  // one rank per stage
+  CHECK(grid.embedding().group().name == "embedding");
+  CHECK(grid.pp_grad().group().world_ranks == grid.pp().group().world_ranks);
+  if (n == 1 || (r != 0 && r != n - 1)) {
+    CHECK(grid.embedding().group().world_ranks == std::vector<int>{r});
+  } else {
+    CHECK(grid.embedding().group().world_ranks == std::vector<int>{0, n - 1});
+    std::vector<float> tied{1.0f + static_cast<float>(r)};
+    grid.embedding().all_reduce(tied);
+    CHECK(tied[0] == static_cast<float>(1 + n));  // 1 + (n - 1 + 1)
+  }
+  // Pipeline neighbours swap activations forward and gradients back, in batches on
+  // their two channels.
+  if (n > 1) {
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<std::int32_t> act{r}, grad{100 + r}, got_act{-1}, got_grad{-1};
+    auto grads = grid.pp_grad().p2p_async({grid.pp_grad().send_op(grad, prev), grid.pp_grad().recv_op(got_grad, next)});
+    grid.pp().p2p({grid.pp().send_op(act, next), grid.pp().recv_op(got_act, prev)});
+    grads.wait();
+    CHECK(got_act[0] == prev);
+    CHECK(got_grad[0] == 100 + next);
+  }
 }
 
 TEST_CASE("requests: waited in any order, moved, tested, and waited for by their destructor") {

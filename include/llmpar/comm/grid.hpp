@@ -7,11 +7,24 @@
 //   world rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 //
 // A Grid splits the world once into one communicator per group this rank belongs to:
-// tp, cp, dp, pp, plus the two composite groups parallel strategies need — dp_cp (the
-// ranks that hold the same parameters: gradients are reduced over it when context
-// parallelism is on) and mp (tp x pp, the ranks that together hold one copy of the
-// model: gradient norms are summed over it). Nothing else in llmpar builds groups, so
-// every strategy sees the same layout.
+// tp, cp, dp, pp, plus the composite groups parallel strategies need:
+//
+// * dp_cp: the ranks that hold the same parameters (gradients are reduced over it when
+//   context parallelism is on);
+// * mp: tp x pp, the ranks that together hold one copy of the model (gradient norms are
+//   summed over it);
+// * embedding: Megatron's embedding group, the first and the last pipeline stage's
+//   ranks with this rank's tp, cp and dp coordinates. When the input embedding and the
+//   output projection share one matrix (tied weights), both stages hold a copy, and its
+//   gradient is summed over this group. Every rank of the world takes part in its split
+//   (MPI_Comm_split and ThreadComm's split are collective over the world), so a rank on
+//   a middle stage gets a group of its own, of size 1, also named "embedding"; with
+//   pp = 1 the first stage is the last and the group is this rank alone;
+// * pp_grad: the same members, in the same order, as pp, but a communicator of its
+//   own, so that the gradients a pipeline sends back travel apart from the activations
+//   it sends forward (on NCCL: another NCCL communicator, another stream).
+//
+// Nothing else in llmpar builds groups, so every strategy sees the same layout.
 #pragma once
 
 #include <string>
@@ -85,7 +98,9 @@ class Grid {
         dp_(split_by({1, 1, 0, 1}, "dp")),
         pp_(split_by({1, 1, 1, 0}, "pp")),
         dp_cp_(split_by({1, 0, 0, 1}, "dp_cp")),
-        mp_(split_by({0, 1, 1, 0}, "mp")) {}
+        mp_(split_by({0, 1, 1, 0}, "mp")),
+        embedding_(split_embedding()),
+        pp_grad_(split_by({1, 1, 1, 0}, "pp_grad")) {}
 
   const GridSizes& sizes() const { return sizes_; }
   const GridCoords& coords() const { return coords_; }
@@ -97,8 +112,10 @@ class Grid {
   C& cp() { return cp_; }
   C& dp() { return dp_; }
   C& pp() { return pp_; }
-  C& dp_cp() { return dp_cp_; }  // same parameters: dp x cp
-  C& mp() { return mp_; }        // one model copy: tp x pp
+  C& dp_cp() { return dp_cp_; }          // same parameters: dp x cp
+  C& mp() { return mp_; }                // one model copy: tp x pp
+  C& embedding() { return embedding_; }  // the first and last stage (size 1 on a middle stage)
+  C& pp_grad() { return pp_grad_; }      // pp's members, a channel of its own for gradients
 
   bool first_stage() const { return coords_.pp == 0; }
   bool last_stage() const { return coords_.pp == sizes_.pp - 1; }
@@ -136,10 +153,21 @@ class Grid {
     return world_->split(color, key, name);
   }
 
+  // The first and last stage with this rank's tp, cp and dp (the color: that position,
+  // below tp*cp*dp; the key: the stage); every other rank alone (a color of its own, from
+  // the world size up).
+  C split_embedding() {
+    if (first_stage() || last_stage()) {
+      const int color = coords_.tp + sizes_.tp * (coords_.cp + sizes_.cp * coords_.dp);
+      return world_->split(color, coords_.pp, "embedding");
+    }
+    return world_->split(world_->size() + world_->rank(), 0, "embedding");
+  }
+
   C* world_;
   GridSizes sizes_;
   GridCoords coords_;
-  C tp_, cp_, dp_, pp_, dp_cp_, mp_;
+  C tp_, cp_, dp_, pp_, dp_cp_, mp_, embedding_, pp_grad_;
 };
 
 }  // namespace llmpar::comm

@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -102,6 +103,9 @@ class Comm : public Collectives<Comm> {
   }
   Request start(const Op& op) {
     return std::visit([&](auto& c) { return Request(Request::Impl(c.start(op))); }, impl_);
+  }
+  Request start_batch(std::span<const Op> ops) {
+    return std::visit([&](auto& c) { return Request(Request::Impl(c.start_batch(ops))); }, impl_);
   }
   Comm split(int color, int key, std::string name) {
     return std::visit([&](auto& c) { return Comm(c.split(color, key, std::move(name))); }, impl_);

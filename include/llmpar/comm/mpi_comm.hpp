@@ -21,7 +21,11 @@
 //   raw call. start() uses the non-blocking call (MPI_Iallreduce, MPI_Isend, ...). MPI
 //   does not match a blocking collective with a non-blocking one, so every rank must
 //   issue a given collective the same way, both blocking or both async (verify mode
-//   checks it; point to point mixes freely).
+//   checks it; point to point mixes freely). A batch of sends and receives
+//   (start_batch) is an MPI_Isend or MPI_Irecv each, all issued before its Request
+//   polls them (MPI_Test on each, until every one has completed: MPI_Waitall with a
+//   deadline). MPI keeps the messages between two ranks in posting order, since they
+//   share the communicator and the tag.
 // * Timeouts without slowing the blocking path. A blocking MPI call cannot be
 //   interrupted, so each communicator has a watchdog thread. Before a blocking call the
 //   caller publishes what it is about to do in a few relaxed atomics (no clock read, no
@@ -94,14 +98,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <ostream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "llmpar/comm/communicator.hpp"
 #include "llmpar/comm/detail/mpi.hpp"
@@ -709,6 +716,10 @@ class MpiComm : public Collectives<MpiComm> {
   // Issues `op` with MPI's non-blocking call; Request::wait() completes it.
   Request start(const Op& op);
 
+  // Issues every send and receive of `ops` (MPI_Isend, MPI_Irecv), after checking them
+  // all; the one Request completes when every one has (see the design note).
+  Request start_batch(std::span<const Op> ops);
+
   // Members with the same color form one new communicator, ordered by key (then by
   // rank here); its GroupInfo holds `name` and the members' world ranks. Collective.
   MpiComm split(int color, int key, std::string name) {
@@ -747,9 +758,9 @@ class MpiComm : public Collectives<MpiComm> {
   std::shared_ptr<detail::mpi::State> state_;
 };
 
-// An operation in flight. wait() completes it (or throws on timeout), test() says
-// whether it is done without waiting; the destructor waits (and reports a failure on
-// stderr, since it cannot throw).
+// An operation in flight, or a batch of them. wait() completes it (or throws on
+// timeout), test() says whether it is done without waiting; the destructor waits (and
+// reports a failure on stderr, since it cannot throw).
 class MpiComm::Request {
  public:
   Request() = default;
@@ -770,9 +781,7 @@ class MpiComm::Request {
     auto& s = *state_;
     if (poll()) return;
     if (!s.broken().empty()) {
-      pending_ = false;
-      s.break_with({}, request_);
-      request_ = MPI_REQUEST_NULL;
+      abandon({});
       s.check_usable();
     }
     const auto deadline = detail::mpi::Clock::now() + s.options().timeout;
@@ -780,11 +789,16 @@ class MpiComm::Request {
       if (poll()) return;
       if (spin % 64 == 0 && detail::mpi::Clock::now() >= deadline) break;
     }
-    pending_ = false;
-    const std::string report = detail::mpi::timeout_message(op_.describe(), s.group(), s.rank(), s.options().timeout,
-                                                            "", s.arrivals(op_.kind, op_.root, number_));
-    s.break_with(report, request_);
-    request_ = MPI_REQUEST_NULL;
+    // The first operation still in flight is the one reported.
+    const Part* late = nullptr;
+    for (const Part& p : parts())
+      if (late == nullptr && p.request != MPI_REQUEST_NULL) late = &p;
+    const std::string what = batch_ && many_.size() > 1
+                                 ? detail::concat(late->op.describe(), " (in a batch of ", many_.size(), ")")
+                                 : late->op.describe();
+    const std::string report = detail::mpi::timeout_message(what, s.group(), s.rank(), s.options().timeout, "",
+                                                            s.arrivals(late->op.kind, late->op.root, late->number));
+    abandon(report);
     LLMPAR_FAIL(report, ". The communicator is broken: every later operation on it fails");
   }
 
@@ -798,27 +812,64 @@ class MpiComm::Request {
  private:
   friend class MpiComm;
 
-  // One MPI_Test; on completion, the finishing steps.
+  // One operation: what MPI was asked, and what remains to do once it has completed.
+  struct Part {
+    Op op;
+    detail::mpi::Call call;
+    std::uint64_t number = 0;                // its number in its arrival counter
+    MPI_Request request = MPI_REQUEST_NULL;  // null once completed (or never issued)
+  };
+
+  // start() keeps its operation inline; start_batch() keeps the batch on the heap.
+  std::span<Part> parts() { return batch_ ? std::span<Part>(many_) : std::span<Part>(&one_, 1); }
+
+  // One MPI_Test of each operation still in flight, and the finishing steps of each that
+  // completed. True once all have; then the first error, if any, is thrown (an operation
+  // that failed does not stop the others from being completed).
   bool poll() {
-    int done = 0;
-    const int code = MPI_Test(&request_, &done, &status_);
-    if (code != MPI_SUCCESS) {
-      pending_ = false;
-      detail::mpi::throw_error(__FILE__, __LINE__, "MPI_Test", code, state_->context(op_));
+    bool all = true;
+    for (Part& p : parts()) {
+      if (p.request == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      MPI_Status status{};
+      const int code = MPI_Test(&p.request, &done, &status);
+      try {
+        if (code != MPI_SUCCESS) {
+          p.request = MPI_REQUEST_NULL;
+          detail::mpi::throw_error(__FILE__, __LINE__, "MPI_Test", code, state_->context(p.op));
+        }
+        if (!done) {
+          all = false;
+          continue;
+        }
+        state_->complete(p.op, p.call, status);
+      } catch (...) {
+        if (!error_) error_ = std::current_exception();
+      }
     }
-    if (!done) return false;
+    if (!all) return false;
     pending_ = false;
-    state_->complete(op_, call_, status_);
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
     return true;
+  }
+
+  // Gives up on the operations still in flight: the communicator is broken (`reason`)
+  // and they are recorded as abandoned.
+  void abandon(const std::string& reason) {
+    pending_ = false;
+    for (Part& p : parts()) {
+      if (p.request == MPI_REQUEST_NULL) continue;
+      state_->break_with(reason, p.request);
+      p.request = MPI_REQUEST_NULL;
+    }
   }
 
   void take(Request& other) {
     state_ = std::move(other.state_);
-    op_ = other.op_;
-    call_ = other.call_;
-    number_ = other.number_;
-    request_ = std::exchange(other.request_, MPI_REQUEST_NULL);
-    status_ = other.status_;
+    one_ = std::exchange(other.one_, {});
+    many_ = std::exchange(other.many_, {});
+    batch_ = other.batch_;
+    error_ = std::exchange(other.error_, nullptr);
     pending_ = std::exchange(other.pending_, false);
   }
 
@@ -832,11 +883,10 @@ class MpiComm::Request {
   }
 
   std::shared_ptr<detail::mpi::State> state_;
-  Op op_;
-  detail::mpi::Call call_;
-  std::uint64_t number_ = 0;
-  MPI_Request request_ = MPI_REQUEST_NULL;
-  MPI_Status status_{};
+  Part one_;
+  std::vector<Part> many_;
+  bool batch_ = false;
+  std::exception_ptr error_;  // the first failure of a batch, thrown once all are done
   bool pending_ = false;
 };
 
@@ -845,15 +895,35 @@ inline MpiComm::Request MpiComm::start(const Op& op) {
   s.check_usable();
   Request r;
   r.state_ = state_;
-  r.op_ = op;
-  r.number_ = s.enter(op);
+  Request::Part& p = r.one_;
+  p.op = op;
+  p.number = s.enter(op);
   {
-    detail::mpi::State::Watched watched(s, detail::mpi::pack(op), op.count, r.number_);
-    if (s.options().verify) s.verify(op, true, r.number_);
-    r.call_ = s.plan(op);
-    s.issue<false>(op, r.call_, &r.request_, nullptr);
+    detail::mpi::State::Watched watched(s, detail::mpi::pack(op), op.count, p.number);
+    if (s.options().verify) s.verify(op, true, p.number);
+    p.call = s.plan(op);
+    s.issue<false>(op, p.call, &p.request, nullptr);
   }
   r.pending_ = true;
+  return r;
+}
+
+inline MpiComm::Request MpiComm::start_batch(std::span<const Op> ops) {
+  auto& s = state();
+  s.check_usable();
+  Request r;
+  r.state_ = state_;
+  r.batch_ = true;
+  r.many_.reserve(ops.size());
+  for (const Op& op : ops) r.many_.push_back({op, s.plan(op)});  // every one checked before any is issued
+  r.pending_ = !ops.empty();
+  // If an issue fails, the Request waits for those issued before it (a part never issued
+  // has a null request, which poll() skips).
+  for (Request::Part& p : r.many_) {
+    p.number = s.enter(p.op);
+    detail::mpi::State::Watched watched(s, detail::mpi::pack(p.op), p.op.count, p.number);
+    s.issue<false>(p.op, p.call, &p.request, nullptr);
+  }
   return r;
 }
 

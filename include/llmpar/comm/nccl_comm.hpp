@@ -48,6 +48,13 @@
 //   last bit; integer types divide the wrapped sum by size(), truncating toward zero
 //   (signed) — what comm::detail::finish computes. An operation of 0 elements enqueues
 //   nothing.
+// * A batch of sends and receives (start_batch) is one NCCL group: ncclGroupStart,
+//   ncclSend/ncclRecv for each, ncclGroupEnd, on the communicator's stream, with one
+//   Request for the whole group. Without the group, two ranks that both send first
+//   deadlock: an ncclSend holds the stream until its peer's ncclRecv is posted. NCCL
+//   matches the sends and receives of a pair of ranks in posting order, within a group
+//   and across groups. NCCL cannot tell which operation of a group a hang waits for,
+//   so a batch's timeout reports the arrival counters of each of its operations.
 // * Lifetime. Construction, split() and destruction are collective over the group, like
 //   MPI's and NCCL's: destroy communicators in the same order on every rank, and before
 //   MPI_Finalize (comm::MpiEnvironment). A communicator released while an exception
@@ -235,6 +242,17 @@ inline std::string verify_message(const Op& mine, const GroupInfo& group, std::s
 
 // The end of a timeout's report when every rank has arrived and NCCL did not complete.
 inline constexpr std::string_view kNcclStalled = " (NCCL_DEBUG=WARN may say why)";
+
+// How many operations of a batch its messages list (pipeline batches hold two to four).
+inline constexpr std::size_t kListedBatchOps = 8;
+
+// "a batch of 2 sends and receives (send(f32, count 4, to 1), recv(f32, count 4, from 1))"
+inline std::string describe_batch(std::span<const Op> ops) {
+  std::string s = concat("a batch of ", ops.size(), ops.size() == 1 ? " send or receive (" : " sends and receives (");
+  for (std::size_t i = 0; i < ops.size() && i < kListedBatchOps; ++i) s += concat(i ? ", " : "", ops[i].describe());
+  if (ops.size() > kListedBatchOps) s += concat(", and ", ops.size() - kListedBatchOps, " more");
+  return s + ")";
+}
 
 // ---- the CUDA side ------------------------------------------------------------------------
 
@@ -457,19 +475,45 @@ struct NcclState {
     LLMPAR_CHECK_CUDA(cudaMemcpyAsync(recv + me, send + me, block, cudaMemcpyDeviceToDevice, stream));
     if (size == 1) return;
     const ncclDataType_t type = to_nccl(op.type);
+    const ncclResult_t r = grouped([&](auto keep) {
+      for (int p = 0; p < size; ++p) {
+        if (p == rank) continue;
+        const std::size_t at = static_cast<std::size_t>(p) * block;
+        keep(ncclSend(send + at, op.count, type, p, comm, stream));
+        keep(ncclRecv(recv + at, op.count, type, p, comm, stream));
+      }
+    });
+    complete(r, what, deadline);
+  }
+
+  // The sends and receives of a batch, in one NCCL group (those of 0 elements enqueue
+  // nothing).
+  void enqueue_batch(std::span<const Op> ops, Clock::time_point deadline) {
+    const auto what = [&] { return concat(describe_batch(ops), " on ", group.describe()); };
+    const ncclResult_t r = grouped([&](auto keep) {
+      for (const Op& op : ops) {
+        if (op.count == 0) continue;
+        keep(op.kind == Collective::send ? ncclSend(op.send, op.count, to_nccl(op.type), op.root, comm, stream)
+                                         : ncclRecv(op.recv, op.count, to_nccl(op.type), op.root, comm, stream));
+      }
+    });
+    complete(r, what, deadline);
+  }
+
+  // Calls enqueue(keep) between ncclGroupStart and ncclGroupEnd, where keep(result)
+  // records the first NCCL call that failed. The group is closed even after an error.
+  // Returns that error, else what ncclGroupEnd returned (ncclInProgress on this
+  // non-blocking communicator, for complete() to settle).
+  template <class Enqueue>
+  static ncclResult_t grouped(Enqueue&& enqueue) {
     ncclResult_t first_error = ncclSuccess;
     const auto keep = [&](ncclResult_t r) {
       if (first_error == ncclSuccess && r != ncclSuccess && r != ncclInProgress) first_error = r;
     };
     keep(ncclGroupStart());
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      const std::size_t at = static_cast<std::size_t>(p) * block;
-      keep(ncclSend(send + at, op.count, type, p, comm, stream));
-      keep(ncclRecv(recv + at, op.count, type, p, comm, stream));
-    }
-    const ncclResult_t end = ncclGroupEnd();  // always closes the group, even after an error
-    complete(first_error != ncclSuccess ? first_error : end, what, deadline);
+    enqueue(keep);
+    const ncclResult_t end = ncclGroupEnd();
+    return first_error != ncclSuccess ? first_error : end;
   }
 };
 
@@ -511,12 +555,12 @@ class NcclComm : public Collectives<NcclComm> {
         return true;
       }
       if (done != cudaErrorNotReady)
-        LLMPAR_CHECK_CUDA(done, op_.describe(), " on ", s.group.describe(), ": waiting for it failed");
+        LLMPAR_CHECK_CUDA(done, what(), " on ", s.group.describe(), ": waiting for it failed");
       ncclResult_t async = ncclSuccess;
       const ncclResult_t query = ncclCommGetAsyncError(s.comm, &async);
       if (query != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
         const ncclResult_t r = query != ncclSuccess ? query : async;
-        s.fail(detail::concat(op_.describe(), " on ", s.group.describe(), " failed on ", s.group.member(s.rank),
+        s.fail(detail::concat(what(), " on ", s.group.describe(), " failed on ", s.group.member(s.rank),
                               ": NCCL reported error ", static_cast<int>(r), ": ", ncclGetErrorString(r),
                               llmpar::detail::nccl_last_error(s.comm)));
       }
@@ -530,11 +574,16 @@ class NcclComm : public Collectives<NcclComm> {
       polled_ = true;
       if (now - since_ < s.options.timeout) return false;
       if (!started_)
-        s.fail(detail::concat(op_.describe(), " on ", s.group.describe(), " did not start within ",
-                              s.options.timeout.count(), " ms on ", s.group.member(s.rank),
+        s.fail(detail::concat(what(), " on ", s.group.describe(), " did not start within ", s.options.timeout.count(),
+                              " ms on ", s.group.member(s.rank),
                               ": earlier work on its compute stream or its communication stream has not finished "
                               "(a kernel that does not end, or an earlier operation that never completed)"));
-      s.fail(s.control.timed_out(op_, s.group, number_, "").message);
+      if (batch_.empty()) s.fail(s.control.timed_out(op_, s.group, number_, "").message);
+      std::string report;  // who each operation of the batch waits for
+      for (std::size_t i = 0; i < batch_.size() && i < detail::kListedBatchOps; ++i)
+        report += detail::concat(i ? "; " : "", batch_[i].describe(), ": ",
+                                 s.control.arrivals(batch_[i], s.group, batch_numbers_[i]));
+      s.fail(detail::mpi::timeout_message(what(), s.group, s.rank, s.options.timeout, "", report));
     }
 
     // Makes `stream` wait, on the device and without blocking the host, for this
@@ -556,11 +605,24 @@ class NcclComm : public Collectives<NcclComm> {
         throw;
       }
     }
+    // A batch, and each operation's number in its arrival counter.
+    Request(std::shared_ptr<detail::NcclState> state, std::vector<Op> batch, std::vector<std::uint64_t> numbers)
+        : Request(std::move(state), Op{}, 0) {
+      batch_ = std::move(batch);
+      batch_numbers_ = std::move(numbers);
+    }
+    // Finished already: an empty batch.
+    explicit Request(std::shared_ptr<detail::NcclState> state) : state_(std::move(state)), finished_(true) {}
+
+    // What it is, for messages.
+    std::string what() const { return batch_.empty() ? op_.describe() : detail::describe_batch(batch_); }
 
     void take(Request& other) noexcept {
       state_ = std::move(other.state_);
       op_ = other.op_;
       number_ = other.number_;
+      batch_ = std::move(other.batch_);
+      batch_numbers_ = std::move(other.batch_numbers_);
       start_ = std::exchange(other.start_, nullptr);
       done_ = std::exchange(other.done_, nullptr);
       since_ = other.since_;
@@ -580,6 +642,8 @@ class NcclComm : public Collectives<NcclComm> {
     std::shared_ptr<detail::NcclState> state_;
     Op op_;
     std::uint64_t number_ = 0;  // its number in its arrival counter
+    std::vector<Op> batch_;     // a batch's operations (then op_ is unused)
+    std::vector<std::uint64_t> batch_numbers_;
     cudaEvent_t start_ = nullptr, done_ = nullptr;
     detail::Clock::time_point since_{};  // when it was first seen running (or first polled)
     bool started_ = false, polled_ = false, finished_ = false;
@@ -696,14 +760,7 @@ class NcclComm : public Collectives<NcclComm> {
     s.control.prune();
     const auto deadline = detail::Clock::now() + s.options.timeout;
     const bool p2p = op.kind == Collective::send || op.kind == Collective::recv;
-    if (p2p && s.options.verify) {  // a local check: the peer learns of a failure by timing out
-      const bool sending = op.kind == Collective::send;
-      const detail::BufferPlace mine{
-          s.rank, sending ? "send" : "recv",
-          op.count ? detail::buffer_place(sending ? op.send : op.recv, s.device) : detail::kUsable, s.device};
-      if (std::string error = detail::misplaced_message(op, s.group, std::span(&mine, 1)); !error.empty())
-        LLMPAR_FAIL(error);
-    }
+    if (p2p && s.options.verify) check_p2p_buffer(op);
     const std::uint64_t number = s.control.board().enter(op);
     if (s.options.verify) verify(op, number, deadline);
 
@@ -712,6 +769,39 @@ class NcclComm : public Collectives<NcclComm> {
     Request request(state_, op, number);
     LLMPAR_CHECK_CUDA(cudaEventRecord(request.start_, s.stream));
     s.enqueue(op, deadline);
+    LLMPAR_CHECK_CUDA(cudaEventRecord(request.done_, s.stream));
+    return request;
+  }
+
+  // Enqueues the sends and receives of `ops` as one NCCL group on stream(), after the
+  // compute stream's earlier work; one Request for them all. An empty batch is finished.
+  Request start_batch(std::span<const Op> ops) {
+    detail::NcclState& s = state();
+    s.check_usable();
+    if (ops.empty()) return Request(state_);
+    detail::DeviceGuard guard(s.device);
+    s.control.prune();
+    const auto deadline = detail::Clock::now() + s.options.timeout;
+    if (s.options.verify)
+      for (const Op& op : ops) check_p2p_buffer(op);
+    std::vector<std::uint64_t> numbers;
+    numbers.reserve(ops.size());
+    for (const Op& op : ops) numbers.push_back(s.control.board().enter(op));
+    if (s.options.verify) {
+      // Every send tells its receiver what comes before any receive waits to hear from
+      // its sender, so two ranks that send to each other in one batch do not wait on
+      // each other here either.
+      for (std::size_t i = 0; i < ops.size(); ++i)
+        if (ops[i].kind == Collective::send) verify(ops[i], numbers[i], deadline);
+      for (std::size_t i = 0; i < ops.size(); ++i)
+        if (ops[i].kind == Collective::recv) verify(ops[i], numbers[i], deadline);
+    }
+
+    LLMPAR_CHECK_CUDA(cudaEventRecord(s.compute_ready, s.compute));
+    LLMPAR_CHECK_CUDA(cudaStreamWaitEvent(s.stream, s.compute_ready, 0));
+    Request request(state_, std::vector<Op>(ops.begin(), ops.end()), std::move(numbers));
+    LLMPAR_CHECK_CUDA(cudaEventRecord(request.start_, s.stream));
+    s.enqueue_batch(ops, deadline);
     LLMPAR_CHECK_CUDA(cudaEventRecord(request.done_, s.stream));
     return request;
   }
@@ -791,6 +881,18 @@ class NcclComm : public Collectives<NcclComm> {
   // A communicator released while an exception propagates is aborted, not finalised.
   void mark_unwinding() noexcept {
     if (state_ && std::uncaught_exceptions() > uncaught_) state_->unwinding = true;
+  }
+
+  // Verify mode for a send or recv: its buffer must be memory of this device (a local
+  // check: the peer learns of a failure by timing out).
+  void check_p2p_buffer(const Op& op) {
+    const detail::NcclState& s = state();
+    const bool sending = op.kind == Collective::send;
+    const detail::BufferPlace mine{
+        s.rank, sending ? "send" : "recv",
+        op.count ? detail::buffer_place(sending ? op.send : op.recv, s.device) : detail::kUsable, s.device};
+    if (std::string error = detail::misplaced_message(op, s.group, std::span(&mine, 1)); !error.empty())
+      LLMPAR_FAIL(error);
   }
 
   // Verify mode: the ranks compare the operation before it is enqueued.

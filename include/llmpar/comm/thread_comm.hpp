@@ -28,7 +28,9 @@
 //   the world is then aborted, so every rank's next operation fails with that message.
 //   A rank whose thread throws aborts the world the same way (see run_threads).
 // * Point to point uses per-pair mailboxes: whichever side of a send/recv pair arrives
-//   second does the copy, so send_async/recv_async in any order never deadlock.
+//   second does the copy, so send_async/recv_async in any order never deadlock. A batch
+//   (start_batch) posts each of its operations the same way, in order, before waiting
+//   for any; its Request waits for them all.
 // * Asynchronous collectives run on a per-communicator worker thread, in issue order;
 //   a synchronous call runs inline when nothing is queued (the common case).
 #pragma once
@@ -49,6 +51,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -287,7 +290,8 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
   for (; i + kBlock <= end;) {
     alignas(kCacheLine) T result[kRun];
     const std::size_t run = std::min(kRun, (end - i) / kBlock * kBlock);
-    for (std::size_t b = 0; b < run; b += kBlock) reduce_block(i + b, std::integral_constant<std::size_t, kBlock>{}, result + b);
+    for (std::size_t b = 0; b < run; b += kBlock)
+      reduce_block(i + b, std::integral_constant<std::size_t, kBlock>{}, result + b);
     for (int o = 0; o < n_out; ++o) {
 #if defined(__SSE2__)
       if (stream_to(out[o])) {
@@ -316,9 +320,11 @@ void reduce_range(T* const* out, int n_out, const T* const* in, int n, std::size
       return reduce_range(
           out, n_out, in, n, begin, end, [](A a, A b) { return combine(ReduceOp::sum, a, b); }, op, streaming);
     case ReduceOp::max:
-      return reduce_range(out, n_out, in, n, begin, end, [](A a, A b) { return b > a ? b : a; }, op, streaming);
+      return reduce_range(
+          out, n_out, in, n, begin, end, [](A a, A b) { return b > a ? b : a; }, op, streaming);
     case ReduceOp::min:
-      return reduce_range(out, n_out, in, n, begin, end, [](A a, A b) { return b < a ? b : a; }, op, streaming);
+      return reduce_range(
+          out, n_out, in, n, begin, end, [](A a, A b) { return b < a ? b : a; }, op, streaming);
   }
 }
 
@@ -386,7 +392,8 @@ struct Completion {
 
   // No deadline here: the operation itself times out and finishes with that error.
   void wait_done(ThreadWorld& world) const {
-    world.wait_until([&] { return done.load(std::memory_order_acquire); }, std::chrono::steady_clock::time_point::max());
+    world.wait_until([&] { return done.load(std::memory_order_acquire); },
+                     std::chrono::steady_clock::time_point::max());
   }
 };
 
@@ -408,6 +415,7 @@ class ThreadMember {
   const GroupInfo& group() const { return group_->info; }
   ThreadWorld& world() const { return *group_->world; }
   const std::shared_ptr<ThreadWorld>& world_ptr() const { return group_->world; }
+  const std::shared_ptr<ThreadGroup>& group_ptr() const { return group_; }
 
   // Runs a collective inline when nothing is queued; otherwise behind the queue.
   void run(const Op& op) {
@@ -606,7 +614,8 @@ class ThreadMember {
     } else {
       for (int i = 0; i < n; ++i) out.push_back(static_cast<T*>(posted((rank_ + i) % n).op.recv));
     }
-    const auto [begin, end] = small ? std::pair<std::size_t, std::size_t>{0, op.count} : split_range(op.count, n, rank_);
+    const auto [begin, end] =
+        small ? std::pair<std::size_t, std::size_t>{0, op.count} : split_range(op.count, n, rank_);
     reduce_range(out.data(), static_cast<int>(out.size()), in.data(), n, begin, end, op.reduce);
     sync(op);
   }
@@ -685,10 +694,10 @@ class ThreadComm : public Collectives<ThreadComm> {
       if (this != &other) {
         finish_quietly();
         world_ = std::move(other.world_);
+        group_ = std::move(other.group_);
+        rank_ = other.rank_;
         completion_ = std::move(other.completion_);
-        post_ = std::move(other.post_);
-        what_ = std::move(other.what_);
-        peer_ = std::move(other.peer_);
+        posts_ = std::exchange(other.posts_, {});
         deadline_ = other.deadline_;
       }
       return *this;
@@ -702,22 +711,32 @@ class ThreadComm : public Collectives<ThreadComm> {
         c->wait_done(*world_);
         if (c->error) std::rethrow_exception(c->error);
       }
-      if (post_) {
-        auto p = std::move(post_);
-        if (!world_->wait_until([&] { return p->done.load(std::memory_order_acquire); }, deadline_)) {
-          const std::string message =
-              detail::concat(what_, " timed out after ", world_->options.timeout.count(), " ms: ", peer_,
-                             " did not post the matching ", p->op.kind == Collective::send ? "recv" : "send");
-          world_->abort(message);
-          LLMPAR_FAIL(message);
+      if (!posts_.empty()) {
+        // Every post is waited for before a mismatch is thrown: a post left behind
+        // would still be matched later, into a buffer the caller may have freed.
+        const auto posts = std::exchange(posts_, {});
+        std::string error;
+        for (const auto& p : posts) {
+          if (!world_->wait_until([&] { return p->done.load(std::memory_order_acquire); }, deadline_)) {
+            const GroupInfo& info = group_->info;
+            const std::string message =
+                detail::concat(p->op.describe(), " on ", info.describe(), " by ", info.member(rank_),
+                               posts.size() > 1 ? detail::concat(" (in a batch of ", posts.size(), ")") : std::string(),
+                               " timed out after ", world_->options.timeout.count(), " ms: ", info.member(p->op.root),
+                               " did not post the matching ", p->op.kind == Collective::send ? "recv" : "send");
+            world_->abort(message);
+            LLMPAR_FAIL(message);
+          }
+          if (error.empty()) error = p->error;
         }
-        if (!p->error.empty()) LLMPAR_FAIL(p->error);
+        if (!error.empty()) LLMPAR_FAIL(error);
       }
     }
     // True (after rethrowing any error) once the operation finished.
     bool test() {
       if (completion_ && !completion_->done.load(std::memory_order_acquire)) return false;
-      if (post_ && !post_->done.load(std::memory_order_acquire)) return false;
+      for (const auto& p : posts_)
+        if (!p->done.load(std::memory_order_acquire)) return false;
       wait();
       return true;
     }
@@ -725,7 +744,7 @@ class ThreadComm : public Collectives<ThreadComm> {
    private:
     friend class ThreadComm;
     void finish_quietly() noexcept {
-      if (!completion_ && !post_) return;
+      if (!completion_ && posts_.empty()) return;
       try {
         wait();
       } catch (const std::exception& e) {
@@ -734,9 +753,10 @@ class ThreadComm : public Collectives<ThreadComm> {
     }
 
     std::shared_ptr<detail::ThreadWorld> world_;
-    std::shared_ptr<detail::Completion> completion_;
-    std::shared_ptr<detail::P2pPost> post_;
-    std::string what_, peer_;
+    std::shared_ptr<detail::ThreadGroup> group_;  // for messages: the group and the poster's rank
+    int rank_ = 0;
+    std::shared_ptr<detail::Completion> completion_;       // a collective
+    std::vector<std::shared_ptr<detail::P2pPost>> posts_;  // sends and receives, in posting order
     std::chrono::steady_clock::time_point deadline_{};
   };
 
@@ -756,12 +776,25 @@ class ThreadComm : public Collectives<ThreadComm> {
   }
 
   Request start(const Op& op) {
+    if (op.kind == Collective::send || op.kind == Collective::recv) return start_batch(std::span(&op, 1));
     Request request;
     request.world_ = member_->world_ptr();
-    if (op.kind == Collective::send || op.kind == Collective::recv)
-      post_p2p(op, request);
-    else
-      request.completion_ = member_->start(op);
+    request.completion_ = member_->start(op);
+    return request;
+  }
+
+  // Posts every send and receive of `ops` in its pair's mailbox, in order, and returns
+  // one Request for them all: nothing here waits, so no batch can deadlock on itself.
+  Request start_batch(std::span<const Op> ops) {
+    auto& world = member_->world();
+    if (world.aborted.load()) world.throw_aborted();
+    Request request;
+    request.world_ = member_->world_ptr();
+    request.group_ = member_->group_ptr();
+    request.rank_ = rank();
+    request.deadline_ = std::chrono::steady_clock::now() + world.options.timeout;
+    request.posts_.reserve(ops.size());
+    for (const Op& op : ops) request.posts_.push_back(member_->post(op));
     return request;
   }
 
@@ -772,14 +805,6 @@ class ThreadComm : public Collectives<ThreadComm> {
   }
 
  private:
-  void post_p2p(const Op& op, Request& request) {
-    auto& world = member_->world();
-    request.post_ = member_->post(op);
-    request.what_ = detail::concat(op.describe(), " on ", group().describe(), " by ", group().member(rank()));
-    request.peer_ = group().member(op.root);
-    request.deadline_ = std::chrono::steady_clock::now() + world.options.timeout;
-  }
-
   std::unique_ptr<detail::ThreadMember> member_;
 };
 
@@ -790,8 +815,8 @@ class ThreadComm : public Collectives<ThreadComm> {
 template <class Body>
 void run_threads(int ranks, Body&& body, ThreadOptions options = {}) {
   LLMPAR_CHECK(ranks >= 1, "the thread world needs at least one rank, got ", ranks, "; use --ranks 1 or more");
-  LLMPAR_CHECK(options.timeout.count() > 0, "the communication timeout must be positive, got ",
-               options.timeout.count(), " ms");
+  LLMPAR_CHECK(options.timeout.count() > 0, "the communication timeout must be positive, got ", options.timeout.count(),
+               " ms");
   auto world = std::make_shared<detail::ThreadWorld>(options);
   GroupInfo info;
   info.name = "world";

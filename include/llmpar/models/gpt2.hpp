@@ -69,7 +69,6 @@ struct GPT2Config {
   }
 };
 
-
 // One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
 template <class T, class Backend = backend::Cpu>
 class GPT2Block {
@@ -77,6 +76,27 @@ class GPT2Block {
   using Acc = typename Backend::template Acc<T>;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
+  using Norm = nn::LayerNorm<T, Backend>;
+
+  // What forward keeps for backward, one per micro-batch in flight (nn/layer.hpp). Cl =
+  // C / tp; Rl = B·S, or B·S / tp under sequence parallelism. Under selective
+  // recomputation att_out and lse stay empty: they live in the scratch and are
+  // recomputed from qkv_out before backward.
+  struct Saved {
+    typename Norm::Saved ln1, ln2;
+    Buffer<T, Space> ln1_out;   // (Rl, C)
+    Buffer<T, Space> qkv_out;   // (B, S, 3Cl)
+    Buffer<T, Space> att_out;   // (B, S, Cl)
+    Buffer<Acc, Space> lse;     // (B, NH/tp, S)
+    Buffer<T, Space> x_mid;     // (Rl, C)  residual after attention
+    Buffer<T, Space> ln2_out;   // (Rl, C)
+    Buffer<T, Space> fc_out;    // (B, S, 4Cl)
+    Buffer<T, Space> gelu_out;  // (B, S, 4Cl)
+    std::size_t bytes() const {
+      return ln1.bytes() + ln2.bytes() + ln1_out.bytes() + qkv_out.bytes() + att_out.bytes() + lse.bytes() +
+             x_mid.bytes() + ln2_out.bytes() + fc_out.bytes() + gelu_out.bytes();
+    }
+  };
 
   // tp: the tensor-parallel group the block is split over (default: none). Attention
   // splits its heads (q, k, v of heads/tp heads per rank; c_proj row-parallel), the MLP
@@ -104,71 +124,135 @@ class GPT2Block {
   // The scratch the forward uses to gather rows under sequence parallelism (the model
   // shares its own; a block alone uses one it owns).
   void use_scratch(detail::BlockScratch<T, Space>* scratch) { shared_ = scratch; }
+  // Selective recomputation (Korthikanti et al. 2022): the attention core's outputs are
+  // not kept; backward recomputes them from qkv_out (the same kernel on the same input:
+  // bitwise the same gradients).
+  void set_selective_recompute(bool on) { selective_ = on; }
 
-  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs. Under sequence
-  // parallelism x and out are this rank's rows of (B·S, C) (tp_.local_rows).
-  void forward(Context& ctx, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
+  // out (B, S, C) = block(x (B, S, C)); keeps what backward needs in saved. Under
+  // sequence parallelism x and out are this rank's rows of (B·S, C) (tp_.local_rows).
+  void forward(Context& ctx, Saved& sv, T* out, const T* x, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
     const bool sp = tp_.sequence_parallel();
     detail::BlockScratch<T, Space>& s = scratch();
-    reserve(batch, seq);
+    reserve(sv, batch, seq);
     s.reserve(rows, C, sp);
-    ln1_.forward(ctx, ln1_out_.data(), x, local);
+    ln1_.forward(ctx, sv.ln1, sv.ln1_out.data(), x, local);
     sync(ctx);
-    qkv_.forward(ctx, qkv_out_.data(), tp_.gather_rows(s.gathered.data(), ln1_out_.data(), rows, C), rows);
-    Backend::attention_forward(ctx, att_out_.data(), lse_.data(), qkv_out_.data(), batch, seq, local_dim_, heads_);
-    T* attn_partial = sp ? s.partial.data() : x_mid_.data();
-    proj_.forward_partial(ctx, attn_partial, att_out_.data(), rows);
-    tp_.reduce_rows(x_mid_.data(), attn_partial, rows, C);  // "g"
-    Backend::add_inplace(ctx, x_mid_.data(), x, local * C);
-    ln2_.forward(ctx, ln2_out_.data(), x_mid_.data(), local);
+    qkv_.forward(ctx, sv.qkv_out.data(), tp_.gather_rows(s.gathered.data(), sv.ln1_out.data(), rows, C), rows);
+    T* att_out = attention(ctx, sv, batch, seq);
+    T* attn_partial = sp ? s.partial.data() : sv.x_mid.data();
+    proj_.forward_partial(ctx, attn_partial, att_out, rows);
+    tp_.reduce_rows(sv.x_mid.data(), attn_partial, rows, C);  // "g"
+    Backend::add_inplace(ctx, sv.x_mid.data(), x, local * C);
+    ln2_.forward(ctx, sv.ln2, sv.ln2_out.data(), sv.x_mid.data(), local);
     sync(ctx);
-    fc_.forward_gelu(ctx, gelu_out_.data(), fc_out_.data(), tp_.gather_rows(s.gathered.data(), ln2_out_.data(), rows, C),
-                     rows);
+    fc_.forward_gelu(ctx, sv.gelu_out.data(), sv.fc_out.data(),
+                     tp_.gather_rows(s.gathered.data(), sv.ln2_out.data(), rows, C), rows);
     T* mlp_partial = sp ? s.partial.data() : out;
-    fc_proj_.forward_partial(ctx, mlp_partial, gelu_out_.data(), rows);
+    fc_proj_.forward_partial(ctx, mlp_partial, sv.gelu_out.data(), rows);
     tp_.reduce_rows(out, mlp_partial, rows, C);  // "g"
-    Backend::add_inplace(ctx, out, x_mid_.data(), local * C);
+    Backend::add_inplace(ctx, out, sv.x_mid.data(), local * C);
   }
+
+  // The weight gradients' operands, kept from the input-gradient pass to the weight pass
+  // of a zero-bubble schedule (pipeline::zb_h1): each linear layer's dy, and the inputs
+  // the Saved does not hold (gathered rows under sequence parallelism, the attention
+  // output under selective recomputation).
+  struct Deferred {
+    Buffer<T, Space> dy_fc_proj, dy_fc, dy_proj, dy_qkv;  // (B·S, C), (B·S, 4Cl), (B·S, C), (B·S, 3Cl)
+    Buffer<T, Space> x_fc, x_proj, x_qkv;                 // (B·S, C), (B·S, Cl), (B·S, C) when not in Saved
+    std::size_t bytes() const {
+      return dy_fc_proj.bytes() + dy_fc.bytes() + dy_proj.bytes() + dy_qkv.bytes() + x_fc.bytes() + x_proj.bytes() +
+             x_qkv.bytes();
+    }
+  };
 
   // dx (B, S, C) = ∂loss/∂x given dout = ∂loss/∂out; parameter gradients accumulate
   // (under sequence parallelism, the LayerNorms' only over this rank's rows: see
-  // parallel::GradSync). dx, dout, x: this rank's rows.
-  void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
-                detail::BlockScratch<T, Space>& s) {
-    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
+  // parallel::GradSync). dx, dout, x: this rank's rows. With `defer`, the four linear
+  // layers' weight gradients are not computed: their operands go into *defer for
+  // backward_weights (the LayerNorms' gradients are computed here either way).
+  void backward(Context& ctx, Saved& sv, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
+                detail::BlockScratch<T, Space>& s, Deferred* defer = nullptr) {
+    const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_;
     const bool sp = tp_.sequence_parallel();
     s.reserve(rows, C, sp);
+    const T* att_out = selective_ ? attention(ctx, sv, batch, seq) : sv.att_out.data();
+    const Acc* lse = selective_ ? s.lse.data() : sv.lse.data();
+    // Keeps n elements of src in dst for the weight pass.
+    auto keep = [&](Buffer<T, Space>& dst, const T* src, std::int64_t n) {
+      dst.reserve(n);
+      Backend::copy(ctx, dst.data(), src, n);
+    };
     sync(ctx);
     // MLP. The row-parallel layer sees every row of dout ("g" backward).
     const T* dy = tp_.gather_rows(s.gathered.data(), dout, rows, C);
-    fc_proj_.backward_through_gelu(ctx, s.wide0.data(), dy, gelu_out_.data(), fc_out_.data(), rows);
+    if (defer) {
+      fc_proj_.linear().input_backward_through_gelu(ctx, s.wide0.data(), dy, sv.fc_out.data(), rows);
+      keep(defer->dy_fc_proj, dy, rows * C);
+    } else {
+      fc_proj_.backward_through_gelu(ctx, s.wide0.data(), dy, sv.gelu_out.data(), sv.fc_out.data(), rows);
+    }
     sync(ctx);
     T* dln2 = sp ? s.partial.data() : s.c0.data();
-    fc_.backward_partial(ctx, dln2, s.wide0.data(), tp_.gather_rows(s.gathered.data(), ln2_out_.data(), rows, C),
-                         rows);
+    const T* x_fc = tp_.gather_rows(s.gathered.data(), sv.ln2_out.data(), rows, C);
+    if (defer) {
+      fc_.linear().input_backward(ctx, dln2, s.wide0.data(), rows);
+      sync(ctx);
+      keep(defer->dy_fc, s.wide0.data(), rows * 4 * Cl);
+      if (sp) keep(defer->x_fc, x_fc, rows * C);
+    } else {
+      fc_.backward_partial(ctx, dln2, s.wide0.data(), x_fc, rows);
+    }
     tp_.reduce_rows(s.c0.data(), dln2, rows, C);  // "f" backward
     T* dx_mid = s.c1.data();
-    ln2_.backward(ctx, dx_mid, s.c0.data(), x_mid_.data(), local);
+    ln2_.backward(ctx, sv.ln2, dx_mid, s.c0.data(), sv.x_mid.data(), local);
     Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
     sync(ctx);
     // Attention.
-    proj_.backward(ctx, s.c0.data(), tp_.gather_rows(s.gathered.data(), dx_mid, rows, C), att_out_.data(), rows);
-    Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), qkv_out_.data(), att_out_.data(), lse_.data(), batch,
-                                seq, local_dim_, heads_);
+    const T* dy_proj = tp_.gather_rows(s.gathered.data(), dx_mid, rows, C);
+    if (defer) {
+      proj_.linear().input_backward(ctx, s.c0.data(), dy_proj, rows);
+      keep(defer->dy_proj, dy_proj, rows * C);
+      if (selective_) keep(defer->x_proj, att_out, rows * Cl);
+    } else {
+      proj_.backward(ctx, s.c0.data(), dy_proj, att_out, rows);
+    }
+    Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), sv.qkv_out.data(), att_out, lse, batch, seq, local_dim_,
+                                heads_);
     T* dln1 = sp ? s.partial.data() : s.c0.data();
-    qkv_.backward_partial(ctx, dln1, s.qkv.data(), tp_.gather_rows(s.gathered.data(), ln1_out_.data(), rows, C),
-                          rows);
+    const T* x_qkv = tp_.gather_rows(s.gathered.data(), sv.ln1_out.data(), rows, C);
+    if (defer) {
+      qkv_.linear().input_backward(ctx, dln1, s.qkv.data(), rows);
+      sync(ctx);
+      keep(defer->dy_qkv, s.qkv.data(), rows * 3 * Cl);
+      if (sp) keep(defer->x_qkv, x_qkv, rows * C);
+    } else {
+      qkv_.backward_partial(ctx, dln1, s.qkv.data(), x_qkv, rows);
+    }
     tp_.reduce_rows(s.c0.data(), dln1, rows, C);  // "f" backward
-    ln1_.backward(ctx, dx, s.c0.data(), x, local);
+    ln1_.backward(ctx, sv.ln1, dx, s.c0.data(), x, local);
     Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
+  }
+
+  // The weight pass after backward(..., defer): the four linear layers' weight and bias
+  // gradients, in the order backward computes them, from the same operands (bitwise the
+  // gradients of the undivided backward).
+  void backward_weights(Context& ctx, const Saved& sv, const Deferred& d, std::int64_t batch, std::int64_t seq) {
+    const std::int64_t rows = batch * seq;
+    const bool sp = tp_.sequence_parallel();
+    fc_proj_.linear().weight_bias_backward(ctx, d.dy_fc_proj.data(), sv.gelu_out.data(), rows);
+    fc_.linear().weight_bias_backward(ctx, d.dy_fc.data(), sp ? d.x_fc.data() : sv.ln2_out.data(), rows);
+    proj_.linear().weight_bias_backward(ctx, d.dy_proj.data(), selective_ ? d.x_proj.data() : sv.att_out.data(), rows);
+    qkv_.linear().weight_bias_backward(ctx, d.dy_qkv.data(), sp ? d.x_qkv.data() : sv.ln1_out.data(), rows);
   }
 
   // The Layer concept's backward (nn/layer.hpp): the same, with a scratch this block
   // owns, allocated on first use; GPT2 itself passes its shared scratch to the overload
   // above.
-  void backward(Context& ctx, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
-    backward(ctx, dx, dout, x, batch, seq, scratch());
+  void backward(Context& ctx, Saved& sv, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq) {
+    backward(ctx, sv, dx, dout, x, batch, seq, scratch());
   }
 
   template <class Visit>
@@ -181,10 +265,8 @@ class GPT2Block {
     fc_proj_.parameters(visit);
   }
 
-  std::size_t activation_bytes() const {
-    return ln1_out_.bytes() + qkv_out_.bytes() + att_out_.bytes() + lse_.bytes() + x_mid_.bytes() + ln2_out_.bytes() +
-           fc_out_.bytes() + gelu_out_.bytes() + ln1_.activation_bytes() + ln2_.activation_bytes();
-  }
+  // Bytes of the scratch this block owns (a block used alone; the model's is shared).
+  std::size_t scratch_bytes() const { return own_scratch_.bytes(); }
 
  private:
   detail::BlockScratch<T, Space>& scratch() { return shared_ != nullptr ? *shared_ : own_scratch_; }
@@ -193,38 +275,40 @@ class GPT2Block {
     if (tp_.split()) Backend::synchronize(ctx);
   }
 
-  void reserve(std::int64_t batch, std::int64_t seq) {
+  // The attention core on sv.qkv_out, into sv (kept) or the scratch (selective
+  // recomputation); returns its output.
+  T* attention(Context& ctx, Saved& sv, std::int64_t batch, std::int64_t seq) {
+    detail::BlockScratch<T, Space>& s = scratch();
+    const std::int64_t rows = batch * seq;
+    Buffer<T, Space>& out = selective_ ? s.att_out : sv.att_out;
+    Buffer<Acc, Space>& lse = selective_ ? s.lse : sv.lse;
+    out.reserve(rows * local_dim_);
+    lse.reserve(batch * heads_ * seq);
+    Backend::attention_forward(ctx, out.data(), lse.data(), sv.qkv_out.data(), batch, seq, local_dim_, heads_);
+    return out.data();
+  }
+
+  void reserve(Saved& sv, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_, Cl = local_dim_;
-    ln1_out_.reserve(local * C);
-    qkv_out_.reserve(rows * 3 * Cl);
-    att_out_.reserve(rows * Cl);
-    lse_.reserve(batch * heads_ * seq);
-    x_mid_.reserve(local * C);
-    ln2_out_.reserve(local * C);
-    fc_out_.reserve(rows * 4 * Cl);
-    gelu_out_.reserve(rows * 4 * Cl);
+    sv.ln1_out.reserve(local * C);
+    sv.qkv_out.reserve(rows * 3 * Cl);
+    sv.x_mid.reserve(local * C);
+    sv.ln2_out.reserve(local * C);
+    sv.fc_out.reserve(rows * 4 * Cl);
+    sv.gelu_out.reserve(rows * 4 * Cl);
   }
 
   nn::TensorParallelGroup tp_;
   std::int64_t dim_;
   std::int64_t heads_;      // this rank's heads: NH / tp
   std::int64_t local_dim_;  // this rank's attention channels and a quarter of its MLP width: C / tp
-  nn::LayerNorm<T, Backend> ln1_;
+  bool selective_ = false;
+  Norm ln1_;
   nn::ColumnParallelLinear<T, Backend> qkv_;
   nn::RowParallelLinear<T, Backend> proj_;
-  nn::LayerNorm<T, Backend> ln2_;
+  Norm ln2_;
   nn::ColumnParallelLinear<T, Backend> fc_;
   nn::RowParallelLinear<T, Backend> fc_proj_;
-  // Activations kept for backward (Cl = C / tp; Rl = B·S, or B·S / tp under sequence
-  // parallelism).
-  Buffer<T, Space> ln1_out_;   // (Rl, C)
-  Buffer<T, Space> qkv_out_;   // (B, S, 3Cl)
-  Buffer<T, Space> att_out_;   // (B, S, Cl)
-  Buffer<Acc, Space> lse_;     // (B, NH/tp, S)
-  Buffer<T, Space> x_mid_;     // (Rl, C)  residual after attention
-  Buffer<T, Space> ln2_out_;   // (Rl, C)
-  Buffer<T, Space> fc_out_;    // (B, S, 4Cl)
-  Buffer<T, Space> gelu_out_;  // (B, S, 4Cl)
   detail::BlockScratch<T, Space> own_scratch_;        // a block used alone
   detail::BlockScratch<T, Space>* shared_ = nullptr;  // the model's, when it set one
 };

@@ -7,7 +7,8 @@
 // (models::GPT2Spec in gpt2.hpp; examples/custom_layer.hpp has a user's), and this one
 // class is the rest. A block is any nn::Layer constructed as Block(name, config, tp)
 // (a TensorParallelGroup); it may also take the model's shared backward scratch
-// (use_scratch / backward(..., scratch)) and report its activation_bytes().
+// (use_scratch / backward(..., scratch)), report its own scratch_bytes(), and support
+// selective recomputation (set_selective_recompute).
 //
 //   struct Spec {
 //     using Config = ...;                  // layers, dim, max_seq, vocab, padded_vocab,
@@ -21,9 +22,18 @@
 //   };
 //
 // Why it is built this way:
-//  - Each block owns the activations its backward needs (llm.c style) and a model-owned
-//    scratch holds gradients that are dead once a block's backward returns, so the
-//    memory a step needs is visible in one place (activation_bytes()).
+//  - The model is a sequence of chunks (pipeline/partition.hpp): this rank's runs of
+//    blocks, the first virtual stage with the embedding in front, the last with the
+//    final norm, the LM head and the loss. forward_chunk/backward_chunk run one
+//    micro-batch through one chunk; the whole model (no pipeline) is one chunk, and
+//    forward()/backward() are that one-stage schedule. What a micro-batch's backward
+//    needs is a Stash the caller owns (one per micro-batch in flight: the block's
+//    Saved values, the residual stream, the logits); a model-owned scratch holds
+//    gradients that are dead once a block's backward returns.
+//  - Recomputation (set_recompute): full keeps only each block's input (the residual
+//    stream) and reruns the block's forward into one shared Saved just before its
+//    backward; selective asks the blocks to drop their attention core's outputs. The
+//    same kernels on the same inputs: gradients bitwise equal to no recomputation.
 //  - Parameters are reached only through parameters(visit); the model binds them into a
 //    flat ParameterStore and initialises them from (seed, name, index), so any split over
 //    ranks starts from exactly the serial model's weights.
@@ -35,8 +45,12 @@
 //    vocabulary (nn::VocabParallelEmbedding): no rank ever holds the (B·S, Vp) logits.
 //    With sequence parallelism the norm and residual regions hold B·S/tp rows.
 //  - Units (nn/units.hpp) for data parallelism: 0 is the token table with the tied LM
-//    head and the position table, 1..L the blocks, L+1 the final norm. The hooks are
-//    called around each use, so a ZeRO strategy can reduce, bind or gather per unit.
+//    head and the position table, 1..L the blocks, L+1 the final norm (of the whole
+//    model; a pipeline rank numbers what it holds). The hooks are called around each
+//    use, so a ZeRO strategy can reduce, bind or gather per unit.
+//  - Under a pipeline the last stage holds a copy of the token table for the tied LM
+//    head (tied_copy()), initialised from the same name; its gradient is summed with the
+//    first stage's over the embedding group, so the two stay identical (Megatron-LM).
 //  - The vocabulary is padded (GPT-2: 50257 -> 50304) so the LM-head GEMM has aligned
 //    rows; padded logits never enter the loss and get zero gradient.
 #pragma once
@@ -50,17 +64,23 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/nn/layer.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/units.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
+#include "llmpar/parallel/compose.hpp"
+#include "llmpar/pipeline/partition.hpp"
 
 namespace llmpar::models {
 
 namespace detail {
 // Gradients that live only while one block's backward runs; shared by all blocks.
-template <class T, class Space>
+// att_out and lse hold the attention core's outputs under selective recomputation.
+template <class T, class Space, class Acc = acc_t<T>>
 struct BlockScratch {
+  Buffer<T, Space> att_out;            // (rows, C/tp) selective recomputation only
+  Buffer<Acc, Space> lse;              // (B, NH/tp, S) selective recomputation only
   Buffer<T, Space> wide0;              // (rows, 4C)
   Buffer<T, Space> qkv;                // (rows, 3C)
   Buffer<T, Space> c0, c1;             // (rows, C)
@@ -77,9 +97,33 @@ struct BlockScratch {
     }
   }
   std::size_t bytes() const {
-    return wide0.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes();
+    return wide0.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes() +
+           att_out.bytes() + lse.bytes();
   }
 };
+
+// A block whose backward can leave its weight gradients for a later pass (the
+// zero-bubble schedule's W): a Deferred type, backward(..., scratch, Deferred*) and
+// backward_weights(ctx, saved, deferred, batch, seq).
+template <class Block, class T, class Space>
+concept SplitsBackward = requires(Block& b, typename Block::Context& ctx, typename Block::Saved& sv,
+                                  typename Block::Deferred& d, T* dx, const T* dout, BlockScratch<T, Space>& s) {
+  { d.bytes() } -> std::convertible_to<std::size_t>;
+  b.backward(ctx, sv, dx, dout, dout, std::int64_t{}, std::int64_t{}, s, &d);
+  b.backward_weights(ctx, sv, d, std::int64_t{}, std::int64_t{});
+};
+
+template <class Block, bool kSplits>
+struct DeferredOf {
+  struct type {  // a block that cannot defer: nothing kept
+    std::size_t bytes() const { return 0; }
+  };
+};
+template <class Block>
+struct DeferredOf<Block, true> {
+  using type = typename Block::Deferred;
+};
+
 }  // namespace detail
 
 template <class T, class Backend, class Spec>
@@ -93,98 +137,108 @@ class Transformer {
   using Config = typename Spec::Config;
   using Block = typename Spec::template Block<T, Backend>;
   using Norm = typename Spec::template Norm<T, Backend>;
+  using Embedding = nn::VocabParallelEmbedding<T, Backend>;
   // A learned position table (GPT-2), or none (positions inside the blocks: rotary).
   static constexpr bool kPositionTable = Spec::kPositionTable != nullptr;
+  // Whether the blocks can defer their weight gradients (the zero-bubble schedule).
+  static constexpr bool kSplitsBackward = detail::SplitsBackward<Block, T, Space>;
+
+  using Deferred = typename detail::DeferredOf<Block, kSplitsBackward>::type;
+
+  // One micro-batch's activations through one chunk of this rank (what its backward
+  // needs), owned by the caller: the pipeline executor keeps one per micro-batch in
+  // flight. Rl = B·S, or B·S / tp under sequence parallelism.
+  struct Stash {
+    int chunk = -1;
+    std::int64_t batch = 0, seq = 0;
+    bool backward_ready = false;
+    Buffer<std::int32_t, Space> tokens;         // (B, S) first virtual stage
+    Buffer<T, Space> residual;                  // (n + 1, Rl, C): the chunk's input and each block's output
+    std::vector<typename Block::Saved> blocks;  // one per block of the chunk (none under full recomputation)
+    typename Norm::Saved norm;                  // last virtual stage: the final norm's
+    Buffer<T, Space> norm_out;                  // (B·S, C)
+    Buffer<T, Space> norm_local;                // (Rl, C) sequence parallelism only
+    Buffer<T, Space> logits;                    // (B·S, Vp/tp); ∂loss/∂logits after a training forward
+    Buffer<Acc, Space> losses;                  // (B·S)
+    std::vector<Deferred> deferred;             // zero-bubble schedules: the weight pass's operands, per block
+    bool weights_pending = false;
+    std::size_t bytes() const {
+      std::size_t n = tokens.bytes() + residual.bytes() + norm.bytes() + norm_out.bytes() + norm_local.bytes() +
+                      logits.bytes() + losses.bytes();
+      for (const auto& b : blocks) n += b.bytes();
+      if constexpr (kSplitsBackward)
+        for (const auto& d : deferred) n += d.bytes();
+      return n;
+    }
+  };
+  // What a chunk's forward computes beyond the activations.
+  enum class Pass : std::uint8_t {
+    train,     // the loss and ∂loss/∂logits, ready for backward
+    evaluate,  // the loss only
+    logits,    // the logits only
+  };
 
   // tp: the tensor-parallel group the model is split over (default: none): the blocks
   // split as they are written to, the token table, LM head and loss split the
   // vocabulary; the position table and the final norm are whole on every rank.
-  Transformer(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {})
-      : cfg_(cfg),
-        tp_(tp),
-        embedding_((cfg.validate(), Spec::kTokenTable), cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp),
-        norm_(Spec::template final_norm<T, Backend>(cfg)) {
+  // placement: the pipeline chunks this rank holds (default: the whole model).
+  Transformer(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {},
+              pipeline::Placement placement = {})
+      : cfg_((cfg.validate(), cfg)), tp_(tp), placement_(place(std::move(placement), cfg.layers)) {
+    const pipeline::Placement& pl = placement_;
+    if (pl.first() || pl.last())
+      table_.emplace(Spec::kTokenTable, cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp);
     if constexpr (kPositionTable)
-      positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
-    blocks_.reserve(static_cast<std::size_t>(cfg.layers));
-    for (std::int64_t l = 0; l < cfg.layers; ++l)
-      blocks_.emplace_back(std::string(Spec::kBlockPrefix) + std::to_string(l), cfg, tp);
+      if (pl.first())
+        positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
+    if (pl.last()) norm_.emplace(Spec::template final_norm<T, Backend>(cfg));
+    for (int c = 0; c < pl.chunks; ++c) {
+      chunk_first_.push_back(static_cast<std::int64_t>(blocks_.size()));
+      for (std::int64_t l = pl.begin(c); l < pl.end(c); ++l)
+        blocks_.emplace_back(std::string(Spec::kBlockPrefix) + std::to_string(l), cfg, tp);
+    }
+    chunk_first_.push_back(static_cast<std::int64_t>(blocks_.size()));
     if constexpr (requires(Block & b, detail::BlockScratch<T, Space> * s) { b.use_scratch(s); })
       for (auto& block : blocks_) block.use_scratch(&scratch_);
-    embedding_.use_scratch(&scratch_.partial, &scratch_.gathered);
-    nn::mark_sequence_parallel<T>(norm_, tp);
+    if (table_) table_->use_scratch(&scratch_.partial, &scratch_.gathered);
+    if (norm_) nn::mark_sequence_parallel<T>(*norm_, tp);
+    number_units();
     store_.bind(*this);
     store_.initialize(seed);
     // Padded token rows are never looked up and never produce a logit that matters:
     // keep them at zero so they cannot perturb anything.
-    embedding_.zero_padding();
+    if (table_) table_->zero_padding();
   }
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
+
+  // ---- the whole model in one call (no pipeline): the one-stage schedule on a stash of
+  // the model's own.
 
   // Training forward: returns the mean loss over B·S tokens and leaves ∂loss/∂logits
   // (times loss_scale, for gradient accumulation) ready for backward().
   Acc forward(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
               std::int64_t seq, Acc loss_scale = Acc(1)) {
-    compute_logits(ctx, tokens, batch, seq);
-    const std::int64_t rows = batch * seq;
-    copy_targets(ctx, targets, rows);
-    embedding_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), rows, loss_scale / static_cast<Acc>(rows));
-    backward_ready_ = true;
-    return mean_loss(ctx, rows);
+    require_whole("forward");
+    return forward_chunk(ctx, 0, own_, tokens, targets, batch, seq, Pass::train, loss_scale);
   }
-
   // Accumulates ∂loss/∂parameter into the gradients (zero them first with zero_grad()).
   void backward(Context& ctx) {
-    LLMPAR_CHECK(backward_ready_,
-                 "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
-    backward_ready_ = false;
-    const std::int64_t batch = batch_, seq = seq_, rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows);
-    scratch_.c0.reserve(rows * C);
-    dres_[0].reserve(local * C);
-    dres_[1].reserve(local * C);
-    // LM head, tied to the token table: this rank's vocabulary columns, dnorm summed over
-    // the group.
-    T* dnorm = scratch_.c0.data();  // (Rl, C)
-    const int norm_unit = static_cast<int>(L) + 1;
-    nn::before_backward(hooks_, 0);
-    embedding_.head_backward(ctx, dnorm, logits_.data(), norm_out_.data(), rows);
-    nn::before_backward(hooks_, norm_unit);
-    norm_.backward(ctx, dres_[0].data(), dnorm, residual(L), local);
-    nn::after_backward(hooks_, norm_unit);
-    for (std::int64_t l = L - 1; l >= 0; --l) {
-      T* dout = dres_[(L - 1 - l) % 2].data();
-      T* dx = dres_[(L - l) % 2].data();
-      Block& block = blocks_[static_cast<std::size_t>(l)];
-      nn::before_backward(hooks_, static_cast<int>(l) + 1);
-      if constexpr (requires { block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_); })
-        block.backward(ctx, dx, dout, residual(l), batch, seq, scratch_);  // with the shared scratch
-      else
-        block.backward(ctx, dx, dout, residual(l), batch, seq);
-      nn::after_backward(hooks_, static_cast<int>(l) + 1);
-    }
-    embedding_.backward(ctx, dres_[L % 2].data(), tokens_.data(), batch, seq,
-                        kPositionTable ? positions_.grad : nullptr);
-    nn::after_backward(hooks_, 0);
+    require_whole("backward");
+    backward_chunk(ctx, own_, nullptr, nullptr);
   }
-
   // Mean loss without touching any gradient state.
   Acc evaluate(Context& ctx, const std::int32_t* tokens, const std::int32_t* targets, std::int64_t batch,
                std::int64_t seq) {
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    copy_targets(ctx, targets, batch * seq);
-    embedding_.loss(ctx, losses_.data(), logits_.data(), targets_.data(), batch * seq, std::nullopt);
-    return mean_loss(ctx, batch * seq);
+    require_whole("evaluate");
+    return forward_chunk(ctx, 0, own_, tokens, targets, batch, seq, Pass::evaluate);
   }
-
   // This rank's logits (B, S, padded_vocab / tp) of a batch, in the backend's memory:
   // the columns vocab_slice() (all of them unsplit); only ids < vocab are meaningful.
   const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
-    compute_logits(ctx, tokens, batch, seq);
-    backward_ready_ = false;
-    return logits_.data();
+    require_whole("logits");
+    forward_chunk(ctx, 0, own_, tokens, nullptr, batch, seq, Pass::logits);
+    return own_.logits.data();
   }
   // host_row (padded_vocab) = every column of the logits at `row` (b·S + t) of a batch,
   // gathered over the tensor-parallel group when the vocabulary is split (sampling).
@@ -193,9 +247,191 @@ class Transformer {
     LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
                  " rows");
     const T* local = logits(ctx, tokens, batch, seq);
-    embedding_.download_row(ctx, host_row, local + row * embedding_.slice().count);
+    table_->download_row(ctx, host_row, local + row * table_->slice().count);
   }
-  RowSlice vocab_slice() const { return embedding_.slice(); }
+  RowSlice vocab_slice() const { return table_->slice(); }
+
+  // ---- one chunk at a time (pipeline/executor.hpp runs any schedule with these).
+
+  int num_chunks() const { return placement_.chunks; }
+  const pipeline::Placement& placement() const { return placement_; }
+  bool holds_first(int chunk) const { return chunk == 0 && placement_.first(); }
+  bool holds_last(int chunk) const { return chunk == placement_.chunks - 1 && placement_.last(); }
+  // Elements of the activation a chunk receives and sends: (Rl, C).
+  std::int64_t activation_size(std::int64_t batch, std::int64_t seq) const {
+    return tp_.local_rows(batch * seq) * cfg_.dim;
+  }
+  // Where chunk c's input goes for a micro-batch (a chunk not holding the embedding:
+  // the previous virtual stage's output is received here).
+  T* input(Stash& st, int chunk, std::int64_t batch, std::int64_t seq) {
+    prepare(st, chunk, batch, seq);
+    return st.residual.data();
+  }
+  // The chunk's output (the next virtual stage's input) after forward_chunk.
+  const T* output(const Stash& st) const {
+    return st.residual.data() + blocks_in(st.chunk) * activation_size(st.batch, st.seq);
+  }
+
+  // Forward of one micro-batch through chunk c into st. The first virtual stage embeds
+  // `tokens` (host); the others read input(st, ...). The last virtual stage returns the
+  // mean loss over the B·S targets (host; Pass::train also leaves ∂loss/∂logits times
+  // loss_scale in st), the others 0.
+  Acc forward_chunk(Context& ctx, int chunk, Stash& st, const std::int32_t* tokens, const std::int32_t* targets,
+                    std::int64_t batch, std::int64_t seq, Pass pass, Acc loss_scale = Acc(1)) {
+    LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
+    LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
+                 "]; the model was built for at most --seq ", cfg_.max_seq);
+    tp_.check_sequence(seq);
+    prepare(st, chunk, batch, seq);
+    st.backward_ready = false;
+    const std::int64_t rows = batch * seq, C = cfg_.dim, local = tp_.local_rows(rows);
+    const bool full = recompute_ == recompute::Mode::full;
+    if (holds_first(chunk)) {
+      check_ids(tokens, rows, "token");
+      st.tokens.reserve(rows);
+      Backend::upload(ctx, st.tokens.data(), tokens, rows);
+      nn::before_forward(hooks_, embedding_unit_);
+      table_->forward(ctx, residual(st, 0), st.tokens.data(), batch, seq, kPositionTable ? positions_.value : nullptr);
+      nn::after_forward(hooks_, embedding_unit_);
+    }
+    const std::int64_t first = chunk_first_[static_cast<std::size_t>(chunk)], n = blocks_in(chunk);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const int unit = block_unit(first + i);
+      nn::before_forward(hooks_, unit);
+      block(first + i).forward(ctx, full ? recompute_saved_ : st.blocks[static_cast<std::size_t>(i)],
+                               residual(st, i + 1), residual(st, i), batch, seq);
+      nn::after_forward(hooks_, unit);
+    }
+    if (!holds_last(chunk)) return Acc(0);
+    st.norm_out.reserve(rows * C);
+    st.logits.reserve(rows * table_->slice().count);
+    nn::before_forward(hooks_, norm_unit_);
+    nn::before_forward(hooks_, head_unit_);  // the LM head is the token table
+    if (tp_.sequence_parallel()) {
+      // The final norm on this rank's rows, then every row gathered for the LM head.
+      st.norm_local.reserve(local * C);
+      norm_->forward(ctx, st.norm, st.norm_local.data(), residual(st, n), local);
+      Backend::synchronize(ctx);
+      tp_.gather_rows(st.norm_out.data(), st.norm_local.data(), rows, C);
+    } else {
+      norm_->forward(ctx, st.norm, st.norm_out.data(), residual(st, n), rows);
+    }
+    table_->head_forward(ctx, st.logits.data(), st.norm_out.data(), rows);
+    nn::after_forward(hooks_, norm_unit_);
+    nn::after_forward(hooks_, head_unit_);
+    if (pass == Pass::logits) return Acc(0);
+    check_ids(targets, rows, "target");
+    targets_.reserve(rows);
+    Backend::upload(ctx, targets_.data(), targets, rows);
+    st.losses.reserve(rows);
+    table_->loss(ctx, st.losses.data(), st.logits.data(), targets_.data(), rows,
+                 pass == Pass::train ? std::optional<Acc>(loss_scale / static_cast<Acc>(rows)) : std::nullopt);
+    st.backward_ready = pass == Pass::train;
+    return mean_loss(ctx, st.losses.data(), rows);
+  }
+
+  // Backward of st's micro-batch through its chunk: parameter gradients accumulate.
+  // dout: ∂loss/∂output from the next virtual stage (null on the last, which starts from
+  // its loss); dx: where ∂loss/∂input goes for the previous virtual stage (null on the
+  // first, which ends in the embedding). defer_weights (a zero-bubble schedule's input-
+  // gradient pass): the blocks' weight gradients wait in st for weight_chunk.
+  void backward_chunk(Context& ctx, Stash& st, const T* dout, T* dx_out, bool defer_weights = false) {
+    LLMPAR_CHECK(st.chunk >= 0 && (st.backward_ready || !holds_last(st.chunk)),
+                 "backward() needs a training forward() first (evaluate() and logits() keep no gradient state)");
+    st.backward_ready = false;
+    const int chunk = st.chunk;
+    const std::int64_t batch = st.batch, seq = st.seq, rows = batch * seq, C = cfg_.dim;
+    const std::int64_t local = tp_.local_rows(rows);
+    dres_[0].reserve(local * C);
+    dres_[1].reserve(local * C);
+    const std::int64_t first = chunk_first_[static_cast<std::size_t>(chunk)], n = blocks_in(chunk);
+    if (holds_last(chunk)) {
+      // LM head, tied to the token table: this rank's vocabulary columns, dnorm summed over
+      // the group.
+      scratch_.c0.reserve(rows * C);
+      T* dnorm = scratch_.c0.data();  // (Rl, C)
+      nn::before_backward(hooks_, head_unit_);
+      table_->head_backward(ctx, dnorm, st.logits.data(), st.norm_out.data(), rows);
+      if (head_unit_ != embedding_unit_) nn::after_backward(hooks_, head_unit_);
+      nn::before_backward(hooks_, norm_unit_);
+      norm_->backward(ctx, st.norm, dres_[0].data(), dnorm, residual(st, n), local);
+      nn::after_backward(hooks_, norm_unit_);
+      dout = dres_[0].data();
+    }
+    LLMPAR_CHECK(dout != nullptr, "backward of chunk ", chunk, " needs the gradient of its output");
+    const bool full = recompute_ == recompute::Mode::full;
+    if (defer_weights) {
+      if constexpr (kSplitsBackward) {
+        LLMPAR_CHECK(!full,
+                     "the zero-bubble schedule keeps each block's activations until its weight pass, which "
+                     "full recomputation does not keep; use --recompute selective or none with --schedule zb");
+        st.deferred.resize(static_cast<std::size_t>(n));
+        st.weights_pending = true;
+      } else {
+        LLMPAR_FAIL(
+            "the zero-bubble schedule splits each block's backward into its input and weight gradients; "
+            "this block has no Deferred type and backward_weights (models::GPT2Block has): use --schedule "
+            "1f1b");
+      }
+    }
+    for (std::int64_t i = n - 1; i >= 0; --i) {
+      T* dx = i == 0 && dx_out != nullptr ? dx_out : (dout == dres_[0].data() ? dres_[1].data() : dres_[0].data());
+      Block& b = block(first + i);
+      const int unit = block_unit(first + i);
+      nn::before_backward(hooks_, unit);
+      typename Block::Saved& saved = full ? recompute_saved_ : st.blocks[static_cast<std::size_t>(i)];
+      if (full) {  // rebuild what forward would have kept, from the block's input
+        recompute_out_.reserve(local * C);
+        b.forward(ctx, saved, recompute_out_.data(), residual(st, i), batch, seq);
+      }
+      if constexpr (kSplitsBackward) {
+        b.backward(ctx, saved, dx, dout, residual(st, i), batch, seq, scratch_,
+                   defer_weights ? &st.deferred[static_cast<std::size_t>(i)] : nullptr);
+      } else if constexpr (requires { b.backward(ctx, saved, dx, dout, residual(st, i), batch, seq, scratch_); }) {
+        b.backward(ctx, saved, dx, dout, residual(st, i), batch, seq, scratch_);  // with the shared scratch
+      } else {
+        b.backward(ctx, saved, dx, dout, residual(st, i), batch, seq);
+      }
+      if (!defer_weights) nn::after_backward(hooks_, unit);
+      dout = dx;
+    }
+    if (holds_first(chunk)) {
+      table_->backward(ctx, dout, st.tokens.data(), batch, seq, kPositionTable ? positions_.grad : nullptr);
+      nn::after_backward(hooks_, embedding_unit_);
+    }
+  }
+
+  // The weight pass of a backward_chunk(..., defer_weights): every block's weight
+  // gradients, in the order the undivided backward computes them.
+  void weight_chunk(Context& ctx, Stash& st) {
+    LLMPAR_CHECK(st.weights_pending, "weight pass of chunk ", st.chunk, " without its input-gradient pass first");
+    st.weights_pending = false;
+    if constexpr (kSplitsBackward) {
+      const std::int64_t first = chunk_first_[static_cast<std::size_t>(st.chunk)], n = blocks_in(st.chunk);
+      for (std::int64_t i = n - 1; i >= 0; --i) {
+        block(first + i).backward_weights(ctx, st.blocks[static_cast<std::size_t>(i)],
+                                          st.deferred[static_cast<std::size_t>(i)], st.batch, st.seq);
+        nn::after_backward(hooks_, block_unit(first + i));
+      }
+    }
+  }
+
+  // What blocks recompute in backward (the recompute:: policy; the Trainer sets it).
+  void set_recompute(recompute::Mode mode) {
+    if (mode == recompute::Mode::selective) {
+      if constexpr (nn::HasSelectiveRecompute<Block>) {
+        for (auto& b : blocks_) b.set_selective_recompute(true);
+      } else {
+        LLMPAR_FAIL(
+            "selective recomputation needs a block with set_selective_recompute(bool) (which parts of "
+            "attention it recomputes is the block's); this block has none: use recompute::Full or None");
+      }
+    } else if constexpr (nn::HasSelectiveRecompute<Block>) {
+      for (auto& b : blocks_) b.set_selective_recompute(false);
+    }
+    recompute_ = mode;
+  }
+  recompute::Mode recompute() const { return recompute_; }
 
   // Zeroes every gradient, in the backend's stream order (no device-wide wait). Under a
   // ZeRO stage that shards gradients the data-parallel strategy zeroes its own.
@@ -207,98 +443,133 @@ class Transformer {
   void parameters(Visit&& visit) {
     for (int u = 0; u < num_units(); ++u) unit_parameters(u, visit);
   }
-  // Units (nn/units.hpp): 0 the embedding (token table, tied LM head, position table),
-  // 1..L the blocks, L+1 the final norm.
-  int num_units() const { return static_cast<int>(cfg_.layers) + 2; }
+  // Units (nn/units.hpp), in forward order, of what this rank holds: the embedding
+  // (token table, the tied LM head when the same rank holds both ends, the position
+  // table), the blocks, the final norm, and on a last pipeline stage that does not hold
+  // the embedding the LM head's copy of the token table. The whole model: 0 the
+  // embedding, 1..L the blocks, L+1 the final norm.
+  int num_units() const { return static_cast<int>(units_.size()); }
   template <class Visit>
   void unit_parameters(int unit, Visit&& visit) {
-    if (unit == 0) {
-      embedding_.parameters(visit);
-      if constexpr (kPositionTable) visit(positions_);
-    } else if (unit <= cfg_.layers) {
-      blocks_[static_cast<std::size_t>(unit - 1)].parameters(visit);
-    } else {
-      norm_.parameters(visit);
+    const Unit& u = units_[static_cast<std::size_t>(unit)];
+    switch (u.kind) {
+      case UnitKind::embedding:
+        table_->parameters(visit);
+        if constexpr (kPositionTable) visit(positions_);
+        break;
+      case UnitKind::block:
+        block(u.block).parameters(visit);
+        break;
+      case UnitKind::norm:
+        norm_->parameters(visit);
+        break;
+      case UnitKind::head:
+        table_->parameters(visit);
+        break;
     }
   }
   void set_unit_hooks(nn::UnitHooks* hooks) { hooks_ = hooks; }
 
+  // The LM head's copy of the token table on a last pipeline stage that does not hold
+  // the embedding (one parameter of the serial model held twice: its gradient is summed
+  // over the embedding group, and it is counted once in the gradient norm); null
+  // otherwise.
+  const nn::Parameter<T>* tied_copy() const {
+    return placement_.last() && !placement_.first() ? &table_->weight() : nullptr;
+  }
+  // The token table when this rank holds one (the embedding or the head's copy).
+  const nn::Parameter<T>* token_table() const { return table_ ? &table_->weight() : nullptr; }
+
   nn::ParameterStore<T, Space>& parameter_store() { return store_; }
   nn::TensorParallelGroup tensor_parallel() const { return tp_; }
   const Config& config() const { return cfg_; }
-  // Parameters of the whole model (not this rank's share of a split one).
-  std::int64_t num_parameters() const { return store_.full_numel(); }
+  // Parameters of the whole model (not this rank's share of a split one): the serial
+  // model's count, whatever this rank holds.
+  std::int64_t num_parameters() const { return serial_parameters_; }
 
-  // Bytes of activations and activation gradients currently allocated.
+  // Bytes of activations and activation gradients the model itself holds (its own
+  // stash, the scratch, the recomputation buffers); a pipeline executor's stashes are
+  // counted by the executor.
   std::size_t activation_bytes() const {
-    std::size_t n = residual_.bytes() + norm_out_.bytes() + norm_local_.bytes() + logits_.bytes() + losses_.bytes() +
-                    dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() + norm_.activation_bytes() +
-                    embedding_.activation_bytes();
-    if constexpr (requires(const Block& b) { b.activation_bytes(); })
-      for (const auto& b : blocks_) n += b.activation_bytes();
+    std::size_t n = own_.bytes() + targets_.bytes() + dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() +
+                    recompute_saved_.bytes() + recompute_out_.bytes() + host_losses_.bytes();
+    if (table_) n += table_->activation_bytes();
+    if constexpr (requires(const Block& b) { b.scratch_bytes(); })
+      for (const auto& b : blocks_) n += b.scratch_bytes();
     return n;
   }
 
  private:
-  T* residual(std::int64_t l) { return residual_.data() + l * tp_.local_rows(batch_ * seq_) * cfg_.dim; }
+  enum class UnitKind : std::uint8_t { embedding, block, norm, head };
+  struct Unit {
+    UnitKind kind;
+    std::int64_t block = 0;  // local block index
+  };
 
-  void compute_logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
-    LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
-    LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
-                 "]; the model was built for at most --seq ", cfg_.max_seq);
-    tp_.check_sequence(seq);
-    batch_ = batch;
-    seq_ = seq;
-    const std::int64_t rows = batch * seq, C = cfg_.dim, L = cfg_.layers;
-    const std::int64_t local = tp_.local_rows(rows);
-    for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab, "token id ", tokens[i], " at position ", i,
-                   " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    tokens_.reserve(rows);
-    Backend::upload(ctx, tokens_.data(), tokens, rows);
-    residual_.reserve((L + 1) * local * C);
-    norm_out_.reserve(rows * C);
-    logits_.reserve(rows * embedding_.slice().count);
-    losses_.reserve(rows);
-    const int norm_unit = static_cast<int>(L) + 1;
-    nn::before_forward(hooks_, 0);
-    embedding_.forward(ctx, residual(0), tokens_.data(), batch, seq, kPositionTable ? positions_.value : nullptr);
-    nn::after_forward(hooks_, 0);
-    for (std::int64_t l = 0; l < L; ++l) {
-      nn::before_forward(hooks_, static_cast<int>(l) + 1);
-      blocks_[static_cast<std::size_t>(l)].forward(ctx, residual(l + 1), residual(l), batch, seq);
-      nn::after_forward(hooks_, static_cast<int>(l) + 1);
-    }
-    nn::before_forward(hooks_, norm_unit);
-    nn::before_forward(hooks_, 0);  // the LM head is the token table
-    if (tp_.sequence_parallel()) {
-      // The final norm on this rank's rows, then every row gathered for the LM head.
-      norm_local_.reserve(local * C);
-      norm_.forward(ctx, norm_local_.data(), residual(L), local);
-      Backend::synchronize(ctx);
-      tp_.gather_rows(norm_out_.data(), norm_local_.data(), rows, C);
-    } else {
-      norm_.forward(ctx, norm_out_.data(), residual(L), rows);
-    }
-    embedding_.head_forward(ctx, logits_.data(), norm_out_.data(), rows);
-    nn::after_forward(hooks_, norm_unit);
-    nn::after_forward(hooks_, 0);
+  static pipeline::Placement place(pipeline::Placement p, std::int64_t layers) {
+    if (p.partition.bounds.empty() && p.whole()) p = pipeline::Placement::whole_model(layers);
+    p.validate(layers);
+    return p;
   }
+  void number_units() {
+    if (placement_.first()) embedding_unit_ = add_unit({UnitKind::embedding});
+    block_unit_base_ = static_cast<int>(units_.size());
+    for (std::size_t b = 0; b < blocks_.size(); ++b) add_unit({UnitKind::block, static_cast<std::int64_t>(b)});
+    if (placement_.last()) {
+      norm_unit_ = add_unit({UnitKind::norm});
+      head_unit_ = placement_.first() ? embedding_unit_ : add_unit({UnitKind::head});
+    }
+    // The serial model's parameter count, from the shapes of unsplit layers (built
+    // only to be counted: a layer allocates nothing until the store binds it).
+    auto count = [](auto&& layer) {
+      std::int64_t n = 0;
+      layer.parameters([&](nn::Parameter<T>& p) { n += p.full_numel(); });
+      return n;
+    };
+    serial_parameters_ =
+        count(Embedding(Spec::kTokenTable, cfg_.vocab, cfg_.padded_vocab, cfg_.dim, cfg_.init_std, {})) +
+        cfg_.layers * count(Block(std::string(Spec::kBlockPrefix) + "0", cfg_)) +
+        count(Spec::template final_norm<T, Backend>(cfg_)) + (kPositionTable ? cfg_.max_seq * cfg_.dim : 0);
+  }
+  int add_unit(Unit u) {
+    units_.push_back(u);
+    return static_cast<int>(units_.size()) - 1;
+  }
+  int block_unit(std::int64_t local) const { return block_unit_base_ + static_cast<int>(local); }
+  Block& block(std::int64_t local) { return blocks_[static_cast<std::size_t>(local)]; }
+  std::int64_t blocks_in(int chunk) const {
+    return chunk_first_[static_cast<std::size_t>(chunk) + 1] - chunk_first_[static_cast<std::size_t>(chunk)];
+  }
+  void require_whole(const char* what) const {
+    LLMPAR_CHECK(placement_.whole(), what, "() runs the whole model, but this rank holds pipeline stage ",
+                 placement_.rank, " of ", placement_.stages, "; run the pipeline's schedule (pipeline::Executor)");
+  }
+  void prepare(Stash& st, int chunk, std::int64_t batch, std::int64_t seq) {
+    LLMPAR_CHECK(chunk >= 0 && chunk < placement_.chunks, "chunk ", chunk, " is not one of this rank's ",
+                 placement_.chunks);
+    st.chunk = chunk;
+    st.batch = batch;
+    st.seq = seq;
+    const std::int64_t n = blocks_in(chunk);
+    st.residual.reserve((n + 1) * activation_size(batch, seq));
+    if (recompute_ != recompute::Mode::full)
+      st.blocks.resize(static_cast<std::size_t>(n));
+    else
+      st.blocks.clear();
+  }
+  T* residual(Stash& st, std::int64_t i) { return st.residual.data() + i * activation_size(st.batch, st.seq); }
 
-  // Targets are checked on the host, then copied into the backend's memory.
-  void copy_targets(Context& ctx, const std::int32_t* targets, std::int64_t rows) {
+  void check_ids(const std::int32_t* ids, std::int64_t rows, const char* what) const {
     for (std::int64_t i = 0; i < rows; ++i)
-      LLMPAR_CHECK(targets[i] >= 0 && targets[i] < cfg_.vocab, "target id ", targets[i], " at position ", i,
+      LLMPAR_CHECK(ids[i] >= 0 && ids[i] < cfg_.vocab, what, " id ", ids[i], " at position ", i,
                    " is outside the vocabulary [0, ", cfg_.vocab, ")");
-    targets_.reserve(rows);
-    Backend::upload(ctx, targets_.data(), targets, rows);
   }
 
   // The mean of the per-token losses, summed on the host in position order (the same
   // order on every backend).
-  Acc mean_loss(Context& ctx, std::int64_t rows) {
+  Acc mean_loss(Context& ctx, const Acc* losses, std::int64_t rows) {
     host_losses_.reserve(rows);
-    Backend::download(ctx, host_losses_.data(), losses_.data(), rows);
+    Backend::download(ctx, host_losses_.data(), losses, rows);
     Acc sum = 0;
     for (std::int64_t i = 0; i < rows; ++i) sum += host_losses_[i];
     return sum / static_cast<Acc>(rows);
@@ -306,25 +577,25 @@ class Transformer {
 
   Config cfg_;
   nn::TensorParallelGroup tp_;
-  nn::VocabParallelEmbedding<T, Backend> embedding_;  // (Vp, C) split by rows; also the LM head
-  nn::Parameter<T> positions_;                        // (max_seq, C) when Spec has a position table
-  std::vector<Block> blocks_;
-  Norm norm_;  // the final norm
+  pipeline::Placement placement_;
+  std::optional<Embedding> table_;         // (Vp, C) split by rows; also the LM head (first or last stage)
+  nn::Parameter<T> positions_;             // (max_seq, C) when Spec has a position table (first stage)
+  std::vector<Block> blocks_;              // this rank's, chunk by chunk
+  std::vector<std::int64_t> chunk_first_;  // chunk c holds blocks_[chunk_first_[c], chunk_first_[c+1])
+  std::optional<Norm> norm_;               // the final norm (last stage)
+  std::vector<Unit> units_;
+  int embedding_unit_ = -1, block_unit_base_ = 0, norm_unit_ = -1, head_unit_ = -1;
+  std::int64_t serial_parameters_ = 0;
   nn::ParameterStore<T, Space> store_;
   nn::UnitHooks* hooks_ = nullptr;
+  recompute::Mode recompute_ = recompute::Mode::none;
 
-  std::int64_t batch_ = 0, seq_ = 0;
-  bool backward_ready_ = false;
-  Buffer<std::int32_t, Space> tokens_;   // (B, S)
-  Buffer<std::int32_t, Space> targets_;  // (B, S)
-  Buffer<T, Space> residual_;            // (L+1, Rl, C): the input of every block, and the last output
-                                         // (Rl = B·S, or this rank's B·S/tp under sequence parallelism)
-  Buffer<T, Space> norm_out_;            // (B, S, C)
-  Buffer<T, Space> norm_local_;          // (Rl, C) sequence parallelism only: this rank's normed rows
-  Buffer<T, Space> logits_;              // (B, S, Vp/tp); holds ∂loss/∂logits after a training forward
-  Buffer<Acc, Space> losses_;            // (B, S)
-  Buffer<Acc> host_losses_;              // (B, S) on the host
-  Buffer<T, Space> dres_[2];             // (Rl, C) ping-pong residual gradients
+  Stash own_;                              // the whole model's forward()/backward()
+  Buffer<std::int32_t, Space> targets_;    // (B, S) the last stage's loss
+  Buffer<Acc> host_losses_;                // (B, S) on the host
+  Buffer<T, Space> dres_[2];               // (Rl, C) ping-pong residual gradients
+  typename Block::Saved recompute_saved_;  // full recomputation: the one block's Saved being rebuilt
+  Buffer<T, Space> recompute_out_;         // (Rl, C) its (discarded) output
   detail::BlockScratch<T, Space> scratch_;
 };
 

@@ -54,6 +54,17 @@ class Linear {
     weight_bias_backward(ctx, dy, x, rows);
   }
 
+  // The input-gradient halves of the two above, for a schedule that runs the weight
+  // gradient later (pipeline::zb_h1): dpre = (dy · W) * gelu'(pre); dx = dy · W. Then
+  // weight_bias_backward(dy, x) with the same dy and x.
+  void input_backward_through_gelu(typename Backend::Context& ctx, T* dpre, const T* dy, const T* pre,
+                                   std::int64_t rows) const {
+    Backend::linear_dgelu_backward(ctx, dpre, dy, weight_.value, pre, rows, in_, out_);
+  }
+  void input_backward(typename Backend::Context& ctx, T* dx, const T* dy, std::int64_t rows) const {
+    Backend::template gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});
+  }
+
   // dx (rows, in) = dy · W (skipped when dx is null); dW (out, in) += dyᵀ · x; db += Σ dy.
   void backward(typename Backend::Context& ctx, T* dx, const T* dy, const T* x, std::int64_t rows) {
     if (dx != nullptr) Backend::template gemm<T>(ctx, dx, dy, weight_.value, nullptr, rows, in_, out_, {});

@@ -60,8 +60,8 @@ class TensorParallelGroup {
   // when its parallel::Tensor<...> tag says so. The degree is the communicator's size.
   template <class Policy>
   static TensorParallelGroup of(comm::Comm* group) {
-    return TensorParallelGroup(group, Policy::kSequenceParallel ? parallel::SequenceParallel::on
-                                                                 : parallel::SequenceParallel::off);
+    return TensorParallelGroup(
+        group, Policy::kSequenceParallel ? parallel::SequenceParallel::on : parallel::SequenceParallel::off);
   }
 
   int size() const { return group_ ? group_->size() : 1; }
@@ -155,7 +155,9 @@ class TensorParallelGroup {
   // The element types the communicators carry; a double model (the finite-difference
   // tests) compiles against the group but runs unsplit.
   template <class T>
-  static constexpr bool kCarried = requires(comm::Comm& c, std::span<T> x) { c.all_reduce(x); };
+  static constexpr bool kCarried = requires(comm::Comm& c, std::span<T> x) {
+    c.all_reduce(x);
+  };
   [[noreturn]] static void not_carried(std::size_t bytes) {
     LLMPAR_FAIL("a tensor-parallel layer stores a type the communicators cannot carry (", bytes,
                 "-byte elements); split float, bf16 or f16 models (double models run unsplit)");

@@ -15,19 +15,22 @@
 //   precision  precision::FP32 | BF16Mixed | FP16Mixed<DynamicLossScale>    (FP32)
 //   tensor     parallel::Tensor<SequenceParallel::off | on>                 (off)
 //   pipeline   parallel::NoPipeline |
-//              parallel::Pipeline<schedule::GPipe | OneFOneB | Interleaved1F1B<chunks>>
-//                                                                           (NoPipeline)
+//              parallel::Pipeline<schedule::GPipe | OneFOneB | Interleaved1F1B<chunks> |
+//                                 ZeroBubbleH1 | Configured>                (NoPipeline)
 //   data       parallel::Data<zero::Stage<0..3>>                            (Stage<0>)
-//   recompute  recompute::None | Full | Selective                           (None)
+//   recompute  recompute::None | Full | Selective | Configured              (None)
 // A degree of 1 at run time switches a dimension off (tp = 1 splits nothing, dp = 1
 // replicates nothing), so the defaults cost nothing.
 //
-// A policy that is accepted does what it says (DESIGN.md). The tags of algorithms that
-// are not built yet — every parallel::Pipeline<...>, recompute::Full and
-// recompute::Selective — exist so that their names, kinds and
-// arguments are checked, but Compose rejects them with a sentence saying so
-// (detail::NotBuiltYet) rather than training something else; each is removed from that
-// list by the change that builds it.
+// A policy that is accepted does what it says (DESIGN.md); every tag here is built. A
+// tag whose algorithm is not built yet would be rejected with a sentence saying so,
+// never trained as something else.
+//
+// The pipeline schedule and the recomputation change only the order of calls, not any
+// type, so besides the fixed tags each has a Configured tag: the choice is the run's
+// (train::TrainerConfig; train_gpt --schedule, --virtual-stages, --recompute), which
+// saves a program that offers every choice one instantiation per combination. A fixed
+// tag and a configuration that names something else are an error at construction.
 //
 // How it is built, and why:
 //  - Tags are empty structs carrying their Kind (a type in policy_kind::) and their name
@@ -125,9 +128,11 @@ using parallel::SequenceParallel;
 namespace llmpar::schedule {
 
 // All forwards of a step, then all backwards (GPipe): simplest, most activation memory.
+// kFlag is the schedule's name in pipeline::make_schedule and train_gpt --schedule.
 struct GPipe {
   static constexpr bool kIsPipelineSchedule = true;
   static constexpr const char* kName = "schedule::GPipe";
+  static constexpr const char* kFlag = "gpipe";
   static constexpr int kChunks = 1;
 };
 
@@ -136,6 +141,7 @@ struct GPipe {
 struct OneFOneB {
   static constexpr bool kIsPipelineSchedule = true;
   static constexpr const char* kName = "schedule::OneFOneB";
+  static constexpr const char* kFlag = "1f1b";
   static constexpr int kChunks = 1;
 };
 
@@ -150,13 +156,33 @@ struct Interleaved1F1B {
   static constexpr parallel::detail::TagName kNameStorage =
       parallel::detail::tag_name("schedule::Interleaved1F1B<", Chunks, ">");
   static constexpr const char* kName = kNameStorage.chars;
+  static constexpr const char* kFlag = "interleaved";
   static constexpr int kChunks = Chunks;
+};
+
+// Zero bubble, ZB-H1 (Qi et al. 2023): backward split into the input gradient and the
+// weight gradient, the weight gradients deferred into the bubble; 1F1B's memory.
+struct ZeroBubbleH1 {
+  static constexpr bool kIsPipelineSchedule = true;
+  static constexpr const char* kName = "schedule::ZeroBubbleH1";
+  static constexpr const char* kFlag = "zb";
+  static constexpr int kChunks = 1;
+};
+
+// The schedule and its chunks per rank come from the run's configuration
+// (train::TrainerConfig::schedule, ::virtual_stages). kChunks 0: not known at compile time.
+struct Configured {
+  static constexpr bool kIsPipelineSchedule = true;
+  static constexpr const char* kName = "schedule::Configured";
+  static constexpr const char* kFlag = "";
+  static constexpr int kChunks = 0;
 };
 
 template <class S>
 concept PipelineSchedule = requires {
   requires S::kIsPipelineSchedule;
   { S::kName } -> std::convertible_to<const char*>;
+  { S::kFlag } -> std::convertible_to<const char*>;
   { S::kChunks } -> std::convertible_to<int>;
 };
 
@@ -180,21 +206,34 @@ struct Stage {
 // Activation recomputation: what a layer keeps for backward and what it recomputes.
 namespace llmpar::recompute {
 
+// What a run recomputes: the model's run-time setting (models::Transformer::set_recompute).
+enum class Mode : std::uint8_t { none, selective, full };
+
 // Keep every activation backward needs.
 struct None {
   using Kind = policy_kind::Recompute;
   static constexpr const char* kName = "recompute::None";
+  static constexpr Mode kMode = Mode::none;
 };
-// Keep only each layer's input; rerun the layer's forward before its backward.
+// Keep only each block's input; rerun the block's forward just before its backward.
 struct Full {
   using Kind = policy_kind::Recompute;
   static constexpr const char* kName = "recompute::Full";
+  static constexpr Mode kMode = Mode::full;
 };
-// Recompute only the cheap, memory-heavy parts (attention's softmax and its inputs, as in
-// Megatron's selective recomputation); keep the GEMM outputs.
+// Recompute only the attention core (Korthikanti et al. 2022, Megatron's selective
+// recomputation): its outputs are dropped in forward and rebuilt in backward from the
+// kept q, k, v; the GEMM outputs are kept.
 struct Selective {
   using Kind = policy_kind::Recompute;
   static constexpr const char* kName = "recompute::Selective";
+  static constexpr Mode kMode = Mode::selective;
+};
+// The run's configuration says (train::TrainerConfig::recompute).
+struct Configured {
+  using Kind = policy_kind::Recompute;
+  static constexpr const char* kName = "recompute::Configured";
+  static constexpr bool kConfigured = true;
 };
 
 }  // namespace llmpar::recompute
@@ -214,8 +253,8 @@ struct Tensor {
 template <class ScheduleTag>
 struct Pipeline {
   static_assert(schedule::PipelineSchedule<ScheduleTag>,
-                "llmpar: parallel::Pipeline<Schedule> takes a schedule tag: schedule::GPipe, schedule::OneFOneB or "
-                "schedule::Interleaved1F1B<chunks>");
+                "llmpar: parallel::Pipeline<Schedule> takes a schedule tag: schedule::GPipe, schedule::OneFOneB, "
+                "schedule::Interleaved1F1B<chunks>, schedule::ZeroBubbleH1 or schedule::Configured");
   using Kind = policy_kind::Pipeline;
   using Schedule = ScheduleTag;
   static constexpr int kChunks = [] {
@@ -395,35 +434,6 @@ struct TwoPoliciesOfOneKind<policy_kind::Recompute, First, Second> {
   static constexpr bool kOk = true;
 };
 
-// Tags whose algorithm is not built yet. Compose accepts none of them: a run that named
-// one would otherwise train without it.
-template <class Tag>
-struct NotBuiltYet;
-template <class ScheduleTag>
-struct NotBuiltYet<parallel::Pipeline<ScheduleTag>> {
-  static_assert(kDependentFalse<ScheduleTag>,
-                "llmpar::Compose: parallel::Pipeline<...> is not built yet: llmpar has no pipeline-parallel executor, "
-                "so a run composed with it would train as one stage; leave the pipeline policy out "
-                "(parallel::NoPipeline, the default)");
-  static constexpr bool kOk = true;
-};
-template <class Tag>
-requires std::is_same_v<Tag, recompute::Full>
-struct NotBuiltYet<Tag> {
-  static_assert(kDependentFalse<Tag>,
-                "llmpar::Compose: recompute::Full is not built yet: every block keeps its activations, so the run "
-                "would use the memory of recompute::None; use recompute::None (the default)");
-  static constexpr bool kOk = true;
-};
-template <class Tag>
-requires std::is_same_v<Tag, recompute::Selective>
-struct NotBuiltYet<Tag> {
-  static_assert(kDependentFalse<Tag>,
-                "llmpar::Compose: recompute::Selective is not built yet: every block keeps its activations, so the "
-                "run would use the memory of recompute::None; use recompute::None (the default)");
-  static constexpr bool kOk = true;
-};
-
 // ---- The checks: classes whose kOk is true, or which derive from the error above that
 // applies. A mistake fails inside its error class with its sentence, so the caller's own
 // static_assert never adds a second, wordless error.
@@ -446,24 +456,24 @@ struct CheckAtMostOne : std::conditional_t<(kCountOfKind<Kind, Tags...> > 1),
 // interleaved one, selective or full recompute with or without sequence parallelism,
 // any precision on either backend: fp16 on the CPU stores f16 and computes in f32, which
 // is slow but exact to the format, and is how the loss scaler is tested without a GPU).
-// Nothing is rejected today beyond what each tag checks itself (FP16Mixed without a
-// loss scaler, Interleaved1F1B<1>, zero::Stage<4>).
+// Beyond what each tag checks itself (FP16Mixed without a loss scaler,
+// Interleaved1F1B<1>, zero::Stage<4>), one combination is rejected: a pipeline with ZeRO
+// stage 2 or 3, which reduce (and gather) every micro-batch's gradients per unit while a
+// pipeline interleaves the micro-batches (neither DeepSpeed nor Megatron-LM runs them
+// together; stage 1, Megatron's distributed optimizer, works with every schedule).
 template <class Backend, class Precision>
 struct CheckCombination : Passed {};
 
-// Passes for the tags whose algorithms are built; fails with NotBuiltYet's sentence
-// for the others.
-template <class Tag>
-struct CheckBuilt : Passed {};
-template <class ScheduleTag>
-struct CheckBuilt<parallel::Pipeline<ScheduleTag>> : NotBuiltYet<parallel::Pipeline<ScheduleTag>> {};
-template <class Tag>
-requires std::is_same_v<Tag, recompute::Full>
-struct CheckBuilt<Tag> : NotBuiltYet<Tag> {
-};
-template <class Tag>
-requires std::is_same_v<Tag, recompute::Selective>
-struct CheckBuilt<Tag> : NotBuiltYet<Tag> {
+template <class PipelinePolicy, class DataPolicy>
+struct CheckPipelineData : Passed {};
+template <class ScheduleTag, class DataPolicy>
+requires(DataPolicy::kZeroStage >= 2) struct CheckPipelineData<Pipeline<ScheduleTag>, DataPolicy> {
+  static_assert(kDependentFalse<ScheduleTag>,
+                "llmpar::Compose: parallel::Pipeline<...> with zero::Stage<2> or <3>: those stages reduce and gather "
+                "each micro-batch's gradients per unit, which a pipeline interleaves; use parallel::Data<"
+                "zero::Stage<1>> (the optimizer state sharded, as Megatron-LM's distributed optimizer) with a "
+                "pipeline");
+  static constexpr bool kOk = true;
 };
 
 }  // namespace detail
@@ -491,9 +501,8 @@ struct PolicySet {
   static_assert(detail::is_of_kind<RecomputePolicy, policy_kind::Recompute>(),
                 "llmpar::parallel::PolicySet: the 6th argument must be a recompute tag (recompute::None, "
                 "recompute::Full or recompute::Selective); llmpar::Compose<...> takes the tags in any order");
-  static_assert(detail::CheckCombination<Backend, Precision>::kOk);
-  static_assert(detail::CheckBuilt<PipelinePolicy>::kOk && detail::CheckBuilt<DataPolicy>::kOk &&
-                detail::CheckBuilt<RecomputePolicy>::kOk);
+  static_assert(detail::CheckCombination<Backend, Precision>::kOk &&
+                detail::CheckPipelineData<PipelinePolicy, DataPolicy>::kOk);
 
   using backend = Backend;
   using precision = Precision;
@@ -504,7 +513,7 @@ struct PolicySet {
 
   static constexpr bool kOnCuda = std::is_same_v<Backend, ::llmpar::backend::Cuda>;
   static constexpr bool kSequenceParallel = TensorPolicy::kSequenceParallel == SequenceParallel::on;
-  static constexpr int kPipelineChunks = PipelinePolicy::kChunks;  // model chunks per pipeline rank
+  static constexpr int kPipelineChunks = PipelinePolicy::kChunks;  // model chunks per pipeline rank (0: configured)
   static constexpr int kZeroStage = DataPolicy::kZeroStage;
   static constexpr bool kHasLossScale = Precision::kHasLossScale;
   static constexpr bool kMixedPrecision = !std::is_same_v<typename Precision::Compute, float>;

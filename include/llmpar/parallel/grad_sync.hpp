@@ -92,15 +92,20 @@ struct DataConfig {
   }
 };
 
-// The groups data parallelism uses: the replicas of this model (dp) and every rank (the
-// global norm and the overflow verdict). Null: this rank alone.
+// The groups a training step communicates over: the replicas of this model (dp), every
+// rank (the global norm and the overflow verdict), the pipeline's two channels
+// (activations on pp, gradients on pp_grad) and the embedding group (the first and last
+// pipeline stage: the tied token table's gradient). Null: this rank alone.
 struct Groups {
   comm::Comm* dp = nullptr;
   comm::Comm* world = nullptr;
+  comm::Comm* pp = nullptr;
+  comm::Comm* pp_grad = nullptr;
+  comm::Comm* embedding = nullptr;
 
   template <class Grid>
   static Groups of(Grid& grid) {
-    return {&grid.dp(), &grid.world()};
+    return {&grid.dp(), &grid.world(), &grid.pp(), &grid.pp_grad(), &grid.embedding()};
   }
 };
 
@@ -228,6 +233,7 @@ class GradSync final : public nn::UnitHooks {
         store_(model.parameter_store()),
         dp_(groups.dp && groups.dp->size() > 1 ? groups.dp : nullptr),
         world_(groups.world && groups.world->size() > 1 ? groups.world : nullptr),
+        embedding_(groups.embedding && groups.embedding->size() > 1 ? groups.embedding : nullptr),
         cfg_(cfg) {
     cfg.validate();
     if constexpr (requires { model.tensor_parallel(); }) tp_ = model.tensor_parallel();
@@ -252,6 +258,14 @@ class GradSync final : public nn::UnitHooks {
                    "false, train_gpt --no-overlap)");
     }
 #endif
+    if constexpr (requires { model.tied_copy(); }) tied_copy_ = model.tied_copy();
+    const int pp = groups.pp ? groups.pp->size() : 1;
+    LLMPAR_CHECK(kStage < 2 || pp == 1, "ZeRO stage ", kStage, " with a pipeline of ", pp,
+                 " stages: stages 2 and 3 reduce (and gather) every micro-batch's gradients per unit, which a "
+                 "pipeline interleaves across micro-batches (DeepSpeed and Megatron-LM do not combine them either); "
+                 "use ZeRO stage 1 (--zero 1) with pipeline parallelism");
+    LLMPAR_CHECK(!(pp > 1 && !world_), "a pipeline of ", pp,
+                 " stages needs the world group for the gradient norm; pass parallel::Groups::of(grid)");
     dp_size_ = dp_ ? dp_->size() : 1;
     dp_rank_ = dp_ ? dp_->rank() : 0;
     plan_layout();
@@ -293,6 +307,25 @@ class GradSync final : public nn::UnitHooks {
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       if (!buckets_[b].issued) issue(static_cast<int>(b));
   }
+  // After a pipeline's whole schedule (stages 0 and 1; the micro-batches of a pipeline
+  // interleave, so nothing was reduced during backward): the tied token table's
+  // gradient summed over the embedding group (the first and last stage), then every
+  // bucket reduced. Sums commute, so summing before the dp reduction is the same.
+  void reduce_after_pipeline() {
+    if (embedding_) {
+      if constexpr (requires { model_.token_table(); }) {
+        const nn::Parameter<T>* table = model_.token_table();
+        LLMPAR_CHECK(table != nullptr, "this rank is in the embedding group but holds no token table");
+        Backend::synchronize(ctx_);
+        const auto t0 = std::chrono::steady_clock::now();
+        embedding_->all_reduce(std::span<Grad>(table->grad, static_cast<std::size_t>(table->numel())),
+                               comm::ReduceOp::sum);
+        comm_wait_ += seconds_since(t0);
+      }
+    }
+    begin_micro_batch(true);
+    end_micro_batch();
+  }
   // After the last micro-batch: every bucket reduced, the sequence-parallel norm
   // gradients summed over the group. The gradients this rank owns are then final.
   void finish() {
@@ -306,12 +339,13 @@ class GradSync final : public nn::UnitHooks {
   // finite.
   optim::GradNorm gradient_norm(float inv_loss_scale = 1.0f) {
     double counted = 0.0, all = 0.0;
-    for (const Piece& p : norm_pieces_) {
+    for (const Piece& p : owned_) {
       const double s = Backend::sum_of_squares(ctx_, p.grad, p.n);
       if (p.counted) counted += s;
       all += s;
     }
-    // Stage 0: every rank holds every gradient; all of them must be finite.
+    // Stage 0: every rank updates every parameter from the gradients it holds, so all of
+    // them must be finite on this rank, not only its block.
     if constexpr (kStage == 0) all = Backend::sum_of_squares(ctx_, store_.grads(), store_.flat_size());
     std::array<float, 2> parts{static_cast<float>(counted), std::isfinite(all) ? 0.0f : 1.0f};
     if (world_) world_->all_reduce(parts, comm::ReduceOp::sum);
@@ -529,14 +563,16 @@ class GradSync final : public nn::UnitHooks {
         piece.n = x1 - x0;
         piece.grad = kShardedGrads ? shard_grads_.data() + b.shard_offset + (x0 - lo) : store_.grads() + x0;
         piece.value = kShardedValues ? shard_values_.data() + b.shard_offset + (x0 - lo) : store_.values() + x0;
-        piece.counted = p->split.is_split() || tp_.rank() == 0;
+        // Tensor-split parameters on every tp rank, replicated ones on tp rank 0; the
+        // last pipeline stage's copy of the tied token table not at all (the first
+        // stage's counts it).
+        piece.counted = (p->split.is_split() || tp_.rank() == 0) && p != tied_copy_;
         if constexpr (kShardedValues)
           Space::copy(piece.value, store_.old_value(static_cast<std::size_t>(k)) + piece.first, piece.n);
         owned_.push_back(piece);
       }
     }
     if constexpr (kShardedValues) store_.release_old_values();
-    norm_pieces_ = owned_;
     // Sequence-parallel norms: the elements this rank owns, packed for one all-reduce.
     std::int64_t sp = 0;
     if (tp_.sequence_parallel()) {
@@ -771,6 +807,7 @@ class GradSync final : public nn::UnitHooks {
   nn::ParameterStore<T, Space>& store_;
   comm::Comm* dp_;
   comm::Comm* world_;
+  comm::Comm* embedding_;
   nn::TensorParallelGroup tp_;
   DataConfig cfg_;
   int dp_size_ = 1, dp_rank_ = 0;
@@ -779,7 +816,8 @@ class GradSync final : public nn::UnitHooks {
   std::vector<int> unit_bucket_;
   std::vector<std::int64_t> offsets_;  // per parameter (store order)
   std::int64_t max_bucket_ = 0;
-  std::vector<Piece> owned_, norm_pieces_, sp_pieces_;
+  std::vector<Piece> owned_, sp_pieces_;
+  const nn::Parameter<T>* tied_copy_ = nullptr;  // the last pipeline stage's copy of the token table
 
   Buffer<Grad, Space> shard_grads_;  // stages 2, 3: this rank's reduced gradients
   Buffer<T, Space> shard_values_;    // stage 3: this rank's parameter values

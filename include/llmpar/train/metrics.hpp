@@ -32,6 +32,7 @@ struct StepStats {
   bool skipped = false;            // some gradient was inf/NaN: the update was not applied
   std::int64_t skipped_total = 0;  // skipped steps so far, this one included
   double comm_ms = 0.0;            // communication the step waited for (what overlap did not hide)
+  double bubble_ms = 0.0;          // pipeline: this rank's wait for other stages (its measured bubble)
 };
 
 // Model FLOPs per trained token (forward and backward).
@@ -69,7 +70,8 @@ class MetricsWriter {
            {"loss_scale", s.loss_scale},
            {"skipped", s.skipped},
            {"skipped_total", s.skipped_total},
-           {"comm_ms", s.comm_ms}});
+           {"comm_ms", s.comm_ms},
+           {"bubble_ms", s.bubble_ms}});
   }
 
  private:
@@ -83,6 +85,9 @@ inline std::string format_step(const StepStats& s, std::int64_t total_steps, boo
                         "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
                         static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm,
                         s.ms, s.tokens_per_s, 100.0 * s.mfu);
+  if (s.bubble_ms > 0.0 && n > 0 && n < static_cast<int>(sizeof line))
+    n += std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), " | bubble %4.1f%%",
+                       100.0 * s.bubble_ms / s.ms);
   if (scaled && n > 0 && n < static_cast<int>(sizeof line))
     n += std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), " | scale %g", s.loss_scale);
   if (s.skipped && n > 0 && n < static_cast<int>(sizeof line))

@@ -25,6 +25,16 @@
 // sequence-parallel norm sums, the global norm. The optimizer is built for the rank's
 // shard. N dp ranks with micro-batch B compute the run one rank computes with B·N.
 //
+// Pipeline parallelism and recomputation: every step runs a schedule (pipeline/
+// executor.hpp) over the model's chunks: the policy's, or under schedule::Configured the
+// one TrainerConfig::schedule names, for p = the model's pipeline stages and m =
+// grad_accum micro-batches. Without a pipeline that is the one-stage schedule
+// [F0 B0 F1 B1 ...], which lets the data-parallel strategy reduce during the last
+// backward; a pipeline's micro-batches interleave, so its gradients are reduced after the
+// schedule (the tied embedding summed over the first and last stage first). The loss is
+// the last stage's, shared over the pipeline. The recompute policy (or
+// TrainerConfig::recompute) is set on the model.
+//
 // Backends: the model names its backend tag (Model::BackendTag); the trainer takes that
 // backend's context and builds that backend's optimizer. On the CUDA backend the
 // gradients live on the device, so the dp communicator must be NCCL.
@@ -35,8 +45,11 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/comm/init.hpp"
@@ -47,6 +60,8 @@
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/pipeline/executor.hpp"
+#include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
@@ -59,9 +74,17 @@ struct TrainerConfig {
   double peak_gflops = 0.0;                          // MFU denominator; 0 leaves MFU at 0
   precision::DynamicLossScale::Config loss_scale{};  // FP16Mixed's scaler (unused otherwise)
   parallel::DataConfig data{};                       // buckets and overlap of data parallelism
+  // Under parallel::Pipeline<schedule::Configured>: the schedule's name ("gpipe", "1f1b",
+  // "interleaved", "zb") and the chunks per pipeline rank; with a fixed schedule tag,
+  // empty (or the tag's own). Under recompute::Configured: what blocks recompute.
+  std::string schedule{};
+  int virtual_stages = 1;
+  std::optional<recompute::Mode> recompute{};
 
   void validate() const {
     data.validate();
+    LLMPAR_CHECK(virtual_stages >= 1, "virtual_stages is ", virtual_stages,
+                 "; each pipeline rank holds at least 1 chunk (--virtual-stages 1)");
     LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
     LLMPAR_CHECK(grad_accum > 0, "grad_accum is ", grad_accum, "; use at least 1 micro-batch per step");
     LLMPAR_CHECK(peak_gflops >= 0.0, "peak_gflops is ", peak_gflops, "; it must be >= 0");
@@ -99,6 +122,7 @@ class Trainer {
   using Precision = typename Policy::precision;
   using Scaler = precision::ScalerFor<Precision>;
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
+  using Executor = pipeline::Executor<Model>;
   static_assert(std::is_same_v<typename Policy::backend, Backend>,
                 "llmpar::train::Trainer: the policy's backend is not the model's; compose the policy with the "
                 "model's backend tag (Model::BackendTag)");
@@ -113,14 +137,17 @@ class Trainer {
           data::DataLoader& train, const TrainerConfig& cfg, parallel::Groups groups = {})
       : ctx_(ctx),
         model_(model),
-        sync_(ctx, model, groups, (cfg.validate(), cfg.data)),
+        executor_(model, make_schedule(model, cfg), shape_of(model, cfg), {groups.pp, groups.pp_grad}),
+        sync_(ctx, model, groups, cfg.data),
         optimizer_(Backend::make_optimizer(ctx, sync_.optimizer_shard(), opt)),
         scaler_(scaler_config(cfg)),
         schedule_(schedule),
         train_(train),
         cfg_(cfg),
-        replicas_(sync_.dp()) {
+        replicas_(sync_.dp()),
+        pipeline_(groups.pp && groups.pp->size() > 1 ? groups.pp : nullptr) {
     schedule.validate();
+    model.set_recompute(recompute_mode(cfg));
     if (replicas_) {
       LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
                    "the training loader reads as rank ", train.config().rank, " of ", train.config().world,
@@ -133,20 +160,22 @@ class Trainer {
   StepStats step() {
     const auto t0 = std::chrono::steady_clock::now();
     const auto& lc = train_.config();
-    const std::int64_t batch = lc.batch_size, seq = lc.seq_len;
+    const std::int64_t batch = lc.batch_size, seq = lc.seq_len, m = cfg_.grad_accum;
     const float loss_scale = scaler_.scale();
+    read_micro_batches(train_, m);
     sync_.begin_step();
-    double loss = 0.0;
-    for (std::int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
-      const data::Batch b = train_.next();
-      sync_.begin_micro_batch(micro == cfg_.grad_accum - 1);
-      loss += model_.forward(ctx_, b.inputs.data, b.targets.data, batch, seq,
-                             loss_scale / static_cast<float>(cfg_.grad_accum));
-      model_.backward(ctx_);
-      sync_.end_micro_batch();
+    const bool serial = pipeline_ == nullptr;
+    typename Executor::Listener listener;
+    if (serial) {  // the data-parallel reduction overlaps the last micro-batch's backward
+      listener.before_forward = [&](int micro) { sync_.begin_micro_batch(micro == m - 1); };
+      listener.after_backward = [&](int) { sync_.end_micro_batch(); };
+    } else {
+      sync_.begin_micro_batch(false);
     }
-    loss /= static_cast<double>(cfg_.grad_accum);
+    double loss = executor_.run(ctx_, micro_, batch, seq, loss_scale / static_cast<float>(m), listener);
+    if (!serial) sync_.reduce_after_pipeline();
     sync_.finish();
+    loss = pipeline_sum(loss) / static_cast<double>(m);
     if (replicas_) loss = average(loss);
     if (gradient_hook_) gradient_hook_(model_);
     LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
@@ -172,6 +201,7 @@ class Trainer {
     s.skipped = verdict.skipped;
     s.skipped_total = scaler_.skipped_steps();
     s.comm_ms = 1e3 * sync_.exposed_communication_seconds();
+    s.bubble_ms = 1e3 * executor_.idle_seconds();
     const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum * (replicas_ ? replicas_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
@@ -191,11 +221,8 @@ class Trainer {
   double evaluate(data::DataLoader& loader, std::int64_t batches) {
     LLMPAR_CHECK(batches > 0, "evaluation needs at least 1 batch, got ", batches);
     const auto& lc = loader.config();
-    double sum = 0.0;
-    for (std::int64_t i = 0; i < batches; ++i) {
-      const data::Batch b = loader.next();
-      sum += model_.evaluate(ctx_, b.inputs.data, b.targets.data, lc.batch_size, lc.seq_len);
-    }
+    read_micro_batches(loader, batches);
+    const double sum = pipeline_sum(executor_.evaluate(ctx_, micro_, lc.batch_size, lc.seq_len));
     const double mean = sum / static_cast<double>(batches);
     return replicas_ && loader.config().world == replicas_->size() ? average(mean) : mean;
   }
@@ -208,11 +235,15 @@ class Trainer {
   std::int64_t steps_done() const { return step_; }
   Optimizer& optimizer() { return optimizer_; }
   Sync& sync() { return sync_; }
+  // The pipeline schedule's executor: its actions, the last step's timings and idle time,
+  // its activation stashes.
+  const Executor& executor() const { return executor_; }
   // Bytes per rank: parameters, gradients, optimizer state, activations, buffers.
   parallel::MemoryReport memory() const {
     parallel::MemoryReport r = sync_.memory();
     r.optimizer = optimizer_.state_bytes();
     if constexpr (requires { model_.activation_bytes(); }) r.activations = model_.activation_bytes();
+    r.activations += executor_.stash_bytes();
     return r;
   }
   const Scaler& loss_scaler() const { return scaler_; }
@@ -225,6 +256,76 @@ class Trainer {
       return {};
   }
 
+  static pipeline::Shape shape_of(const Model& model, const TrainerConfig& cfg) {
+    cfg.validate();
+    const auto& pl = model.placement();
+    return {pl.stages, pl.chunks, static_cast<int>(cfg.grad_accum)};
+  }
+  // The schedule the policy names (or, under schedule::Configured, the configuration),
+  // for the model's pipeline.
+  static pipeline::Schedule make_schedule(const Model& model, const TrainerConfig& cfg) {
+    const pipeline::Shape shape = shape_of(model, cfg);
+    using P = typename Policy::pipeline;
+    if constexpr (std::is_same_v<P, parallel::NoPipeline>) {
+      LLMPAR_CHECK(shape.stages == 1, "the model is split into ", shape.stages,
+                   " pipeline stages but the policy has no pipeline; compose it with parallel::Pipeline<...>");
+      LLMPAR_CHECK(cfg.schedule.empty() || cfg.schedule == "1f1b", "TrainerConfig::schedule is '", cfg.schedule,
+                   "' but the policy has no pipeline (parallel::NoPipeline)");
+      return pipeline::one_f_one_b(shape);
+    } else {
+      using S = typename P::Schedule;
+      std::string name = S::kFlag;
+      if constexpr (std::is_same_v<S, schedule::Configured>) {
+        name = cfg.schedule.empty() ? std::string("1f1b") : cfg.schedule;
+      } else {
+        LLMPAR_CHECK(cfg.schedule.empty() || cfg.schedule == name, "TrainerConfig::schedule is '", cfg.schedule,
+                     "' but the policy's schedule is ", S::kName, " ('", name,
+                     "'); leave the configuration's empty, or compose parallel::Pipeline<schedule::Configured>");
+        LLMPAR_CHECK(shape.chunks == S::kChunks || (S::kChunks == 1 && shape.chunks == 1), "the model holds ",
+                     shape.chunks, " chunks per pipeline rank but ", S::kName, " runs ", S::kChunks);
+      }
+      LLMPAR_CHECK(shape.stages > 1 || name == "1f1b", "the schedule '", name,
+                   "' needs a pipeline of 2 stages or more; one stage runs its micro-batches one after another "
+                   "(1f1b), so that the data-parallel reduction overlaps the last backward");
+      return pipeline::make_schedule(name, shape);
+    }
+  }
+  static recompute::Mode recompute_mode(const TrainerConfig& cfg) {
+    using R = typename Policy::recompute;
+    if constexpr (std::is_same_v<R, recompute::Configured>) {
+      return cfg.recompute.value_or(recompute::Mode::none);
+    } else {
+      LLMPAR_CHECK(!cfg.recompute || *cfg.recompute == R::kMode,
+                   "TrainerConfig::recompute disagrees with the "
+                   "policy's ",
+                   R::kName, "; leave it unset, or compose recompute::Configured");
+      return R::kMode;
+    }
+  }
+
+  // The next n batches of a loader, copied (a loader's batch is a view of its buffer).
+  void read_micro_batches(data::DataLoader& loader, std::int64_t n) {
+    const auto& lc = loader.config();
+    const std::int64_t rows = lc.batch_size * lc.seq_len;
+    tokens_.resize(static_cast<std::size_t>(n * rows));
+    targets_.resize(static_cast<std::size_t>(n * rows));
+    micro_.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      const data::Batch b = loader.next();
+      std::copy(b.inputs.data, b.inputs.data + rows, tokens_.data() + i * rows);
+      std::copy(b.targets.data, b.targets.data + rows, targets_.data() + i * rows);
+    }
+    for (std::int64_t i = 0; i < n; ++i)
+      micro_[static_cast<std::size_t>(i)] = {tokens_.data() + i * rows, targets_.data() + i * rows};
+  }
+  // The loss lives on the last pipeline stage: shared with every stage.
+  double pipeline_sum(double v) {
+    if (!pipeline_) return v;
+    std::array<float, 1> x{static_cast<float>(v)};
+    pipeline_->all_reduce(x, comm::ReduceOp::sum);
+    return x[0];
+  }
+
   // The mean of a per-rank value over the replicas (in float, like the losses).
   double average(double v) {
     std::array<float, 1> x{static_cast<float>(v)};
@@ -234,6 +335,7 @@ class Trainer {
 
   Context& ctx_;
   Model& model_;
+  Executor executor_;
   Sync sync_;
   Optimizer optimizer_;
   Scaler scaler_;
@@ -242,6 +344,9 @@ class Trainer {
   data::DataLoader& train_;
   TrainerConfig cfg_;
   comm::Comm* replicas_;
+  comm::Comm* pipeline_;                        // the pp group when there are 2 stages or more
+  std::vector<std::int32_t> tokens_, targets_;  // this step's micro-batches (host)
+  std::vector<pipeline::MicroBatch> micro_;
   std::int64_t step_ = 0;
 };
 
