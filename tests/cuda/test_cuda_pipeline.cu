@@ -108,8 +108,8 @@ void check_pipeline(comm::Comm& world) {
                                         .chunks = chunks,
                                         .rank = grid.coords().pp,
                                         .partition = pipeline::even_partition(config().layers, 2, chunks)};
-    const Result r = train<float>(ctx, {.schedule = schedule, .virtual_stages = chunks}, placement,
-                                  parallel::Groups::of(grid));
+    const Result r =
+        train<float>(ctx, {.schedule = schedule, .virtual_stages = chunks}, placement, parallel::Groups::of(grid));
     double loss = 0.0, param = 0.0;
     for (std::size_t s = 0; s < whole.losses.size(); ++s)
       loss = std::max(loss, std::abs(r.losses[s] - whole.losses[s]) / std::abs(whole.losses[s]));
