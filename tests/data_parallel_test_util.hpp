@@ -12,12 +12,14 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/comm/grid.hpp"
 #include "llmpar/comm/init.hpp"
+#include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/parallel/compose.hpp"
@@ -159,6 +161,29 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
       [&](const nn::Parameter<T>& p, std::int64_t first, const float*, const T* value, std::int64_t n) {
         scatter(p, first, value, n, target(p, run.params, run.head_copy_param));
       });
+}
+
+// The run of Policy on `ranks` thread ranks split as tp x pp x dp.
+template <class Policy>
+Run run_threads(int ranks, int tp, const Layout& layout) {
+  Run run;
+  std::mutex mutex;
+  comm::run_threads(ranks, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    train<Policy>(world, tp, layout, run, mutex);
+  });
+  return run;
+}
+
+// MPI: rank 0 recorded the losses and norms (every rank computed the same); every rank
+// gets them, `steps` of each.
+inline void share_series(comm::Comm& world, Run& run, std::size_t steps) {
+  for (auto* series : {&run.losses, &run.norms}) {
+    std::vector<float> v(series->begin(), series->end());
+    v.resize(steps);
+    world.broadcast(std::span<float>(v), 0);
+    series->assign(v.begin(), v.end());
+  }
 }
 
 // The largest relative differences of the losses, the step-1 gradients and the final

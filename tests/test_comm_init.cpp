@@ -78,7 +78,8 @@ TEST_CASE("init: bad --ranks and --comm-timeout values name the value and an exa
   InitOptions options;
   options.device = Device::cuda;
   CHECK_THROWS_WITH_AS(init(cuda.argc, cuda.pointers.data(), options),
-                       doctest::Contains("the CUDA backend runs one process per GPU: start it with mpirun -np 2"), Error);
+                       doctest::Contains("the CUDA backend runs one process per GPU: start it with mpirun -np 2"),
+                       Error);
 }
 
 TEST_CASE("init: a rank that throws inside run() is rethrown by run()") {

@@ -9,7 +9,6 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <mutex>
 #include <string>
 
 #include "data_parallel_test_util.hpp"
@@ -25,13 +24,7 @@ using PolicyOf = Compose<backend::Cpu, Precision, parallel::Tensor<kSp>, paralle
 // The run on `ranks` thread ranks split as tp x dp.
 template <class Policy>
 dp_test::Run run_on(int ranks, int tp, const dp_test::Layout& layout) {
-  dp_test::Run run;
-  std::mutex mutex;
-  comm::run_threads(ranks, [&](comm::ThreadComm& thread_world) {
-    comm::Comm world(std::move(thread_world));
-    dp_test::train<Policy>(world, tp, layout, run, mutex);
-  });
-  return run;
+  return dp_test::run_threads<Policy>(ranks, tp, layout);
 }
 
 // The serial run of the same global batch: one rank, micro-batch x dp sequences.

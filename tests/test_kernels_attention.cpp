@@ -528,7 +528,8 @@ TEST_CASE_TEMPLATE("the vocabulary-parallel loss over 1, 2, 4 and 8 slices equal
       for (std::int64_t r = 0; r < s.rows; ++r)
         CHECK(std::fabs(losses[r] - want_losses[r]) <= tol * (1 + want_losses[r]));
       double worst = 0.0;
-      for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])));
+      for (std::size_t i = 0; i < want.size(); ++i)
+        worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])));
       CHECK(worst <= tol * dloss);
       for (std::int64_t r = 0; r < s.rows; ++r)
         for (std::int64_t i = s.V; i < s.Vp; ++i) CHECK(got[r * s.Vp + i] == T(0));

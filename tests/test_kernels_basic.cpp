@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_test_util.hpp"
 #include "llmpar/backend/cpu/adamw.hpp"
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/backend/cpu/elementwise.hpp"
@@ -33,8 +34,6 @@
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/math/exp.hpp"
 #include "llmpar/math/welford.hpp"
-
-#include "kernel_test_util.hpp"
 
 using namespace llmpar;
 namespace cpu = llmpar::backend::cpu;
@@ -563,8 +562,8 @@ TEST_CASE("encoder float instantiation matches double, and backward is bitwise i
 // =======================================================================================
 // Element-wise
 
-TEST_CASE_TEMPLATE("encoder over row slices: the slices' partial sums are the whole table's embedding, bit for bit",
-                   T, double, float) {
+TEST_CASE_TEMPLATE("encoder over row slices: the slices' partial sums are the whole table's embedding, bit for bit", T,
+                   double, float) {
   // A table of 12 rows over 4 slices of 3: each slice looks up only its tokens (zero for
   // the others), slice 0 adds the positions, and the partials summed in slice order give
   // the unsplit embedding exactly. Backward: each slice's dwte gets only its tokens' rows,

@@ -14,13 +14,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_test_util.hpp"
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
-
-#include "kernel_test_util.hpp"
 
 using namespace llmpar;
 namespace cpu = llmpar::backend::cpu;

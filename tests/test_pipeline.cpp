@@ -15,7 +15,6 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "data_parallel_test_util.hpp"
@@ -31,13 +30,7 @@ using PipelinePolicy = Compose<backend::Cpu, parallel::Tensor<kSp>, parallel::Pi
 
 template <class Policy>
 dp_test::Run run_on(int ranks, int tp, const dp_test::Layout& layout) {
-  dp_test::Run run;
-  std::mutex mutex;
-  comm::run_threads(ranks, [&](comm::ThreadComm& thread_world) {
-    comm::Comm world(std::move(thread_world));
-    dp_test::train<Policy>(world, tp, layout, run, mutex);
-  });
-  return run;
+  return dp_test::run_threads<Policy>(ranks, tp, layout);
 }
 
 // One rank, the whole model, the same accumulation: what every layout must compute.

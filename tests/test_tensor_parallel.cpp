@@ -43,7 +43,6 @@ void on_ranks(int ranks, Body&& body) {
   });
 }
 
-
 // A two-layer MLP: y = proj(gelu(fc(x))), split over `tp` (serial when tp is empty).
 struct Mlp {
   nn::ColumnParallelLinear<float> fc;
@@ -115,7 +114,8 @@ TEST_CASE("full_index maps a rank's slice to the serial tensor's positions") {
         for (int r = 0; r < parts; ++r) {
           const nn::Split split{dim, parts, r, groups};
           const Shape local = nn::local_shape(full, split);
-          for (std::int64_t i = 0; i < local.numel(); ++i) ++hits[static_cast<std::size_t>(nn::full_index(full, split, i))];
+          for (std::int64_t i = 0; i < local.numel(); ++i)
+            ++hits[static_cast<std::size_t>(nn::full_index(full, split, i))];
         }
         // Every element of the full tensor is held by exactly one rank.
         CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
@@ -140,7 +140,8 @@ TEST_CASE("a split parameter starts with the serial parameter's values at its po
       std::vector<float> mine(static_cast<std::size_t>(part.numel()));
       nn::ParameterStore<float>::initial_values(part, 7, mine.data());
       for (std::int64_t i = 0; i < part.numel(); ++i)
-        CHECK(mine[static_cast<std::size_t>(i)] == full[static_cast<std::size_t>(nn::full_index({8, 6}, part.split, i))]);
+        CHECK(mine[static_cast<std::size_t>(i)] ==
+              full[static_cast<std::size_t>(nn::full_index({8, 6}, part.split, i))]);
     }
   }
 }

@@ -44,14 +44,7 @@ void check_stage(const dp_test::Layout& layout) {
     world.all_reduce(std::span<float>(run.params[k]), comm::ReduceOp::sum);
   }
   run.names = serial.names;
-  std::vector<float> losses(run.losses.begin(), run.losses.end());
-  losses.resize(serial.losses.size());
-  world.broadcast(std::span<float>(losses), 0);  // rank 0 recorded them
-  run.losses.assign(losses.begin(), losses.end());
-  std::vector<float> norms(run.norms.begin(), run.norms.end());
-  norms.resize(serial.norms.size());
-  world.broadcast(std::span<float>(norms), 0);
-  run.norms.assign(norms.begin(), norms.end());
+  dp_test::share_series(world, run, serial.losses.size());
   const dp_test::Difference d = dp_test::compare(run, serial);
   INFO("stage " << kStage << " over " << dp << " processes, accumulation " << layout.accum << ": losses " << d.loss
                 << ", gradients " << d.grad << " (" << d.worst_grad << "), parameters " << d.param << " ("

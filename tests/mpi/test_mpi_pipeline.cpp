@@ -52,13 +52,7 @@ void check_schedule(const std::string& schedule, int chunks) {
       static_cast<std::size_t>(std::find(serial.names.begin(), serial.names.end(), "wte") - serial.names.begin());
   sum_over(world, run.head_copy_grad, serial.grads[wte].size());
   sum_over(world, run.head_copy_param, serial.params[wte].size());
-  // Rank 0 recorded the losses and norms (every rank has the same).
-  for (auto* series : {&run.losses, &run.norms}) {
-    std::vector<float> v(series->begin(), series->end());
-    v.resize(serial.losses.size());
-    world.broadcast(std::span<float>(v), 0);
-    series->assign(v.begin(), v.end());
-  }
+  dp_test::share_series(world, run, serial.losses.size());
   const dp_test::Difference d = dp_test::compare(run, serial);
   INFO(schedule << " (" << chunks << " chunks) over " << world.size() << " processes: losses " << d.loss
                 << ", gradients " << d.grad << " (" << d.worst_grad << "), parameters " << d.param << " ("
