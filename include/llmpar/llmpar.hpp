@@ -45,6 +45,7 @@
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
+#include "llmpar/train/safetensors.hpp"
 #include "llmpar/train/sample.hpp"
 #include "llmpar/train/trace.hpp"
 #include "llmpar/train/trainer.hpp"
