@@ -8,6 +8,10 @@
 #                                            (and benchmarks/pytorch_step.py if torch is there)
 #   ./llmpar.sh build [cmake --build args]   configure and build (everything by default)
 #   ./llmpar.sh install PREFIX               build, then install headers and package config
+#   ./llmpar.sh plot METRICS.jsonl [--out PNG] [--title TEXT]
+#                                            draw a train_gpt --metrics file: train and validation
+#                                            loss against steps and tokens, rollbacks, resumes and
+#                                            skipped steps marked (default out: METRICS.png)
 #   ./llmpar.sh gpu-check                    on a machine with an NVIDIA GPU, in at most 8 minutes:
 #                                            build for that GPU only, ctest -L gpu, the CUDA kernel
 #                                            benchmarks, train_gpt --backend cuda in fp32, bf16 and
@@ -18,22 +22,26 @@
 #
 # Each command first makes sure the Debian packages below are installed (it installs
 # the missing ones when run as root, and prints the command otherwise), then configures
-# (Ninja, Release, warnings as errors) and builds incrementally.
+# (Ninja, Release, warnings as errors) and builds incrementally; plot builds nothing.
 #
 # Environment:
 #   LLMPAR_BUILD_DIR    build directory (default: build, relative to this script's folder)
 #   LLMPAR_JOBS         parallel compile and test jobs (default: number of CPUs)
 #   LLMPAR_CMAKE_ARGS   extra arguments for the first configure, e.g. "-DLLMPAR_CUDA=OFF"
 #   LLMPAR_GPU_BUILD_DIR  gpu-check's build directory (default: build-gpu)
+#   LLMPAR_TOOLS_VENV   the Python venv of the tests' tools, with safetensors
+#                       (default: ~/.cache/llmpar/tools-venv)
 set -euo pipefail
 
 # The Debian packages the build needs: the one list (CMake finds them; nothing is
-# downloaded at build time).
+# downloaded at build time). Python with matplotlib and numpy for tools/ (plot, the tests
+# that read llmpar's files from Python), and venv for the tools' venv.
 LLMPAR_PACKAGES=(
   cmake g++ ninja-build
   libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   fortunes
+  python3-matplotlib python3-numpy python3-venv
 )
 
 # What gpu-check needs besides the CUDA toolkit, CMake, Ninja and a C++ compiler: the
@@ -111,6 +119,43 @@ setup() {
   configure
 }
 
+# Debian's python3-* packages are installed for /usr/bin/python3; a python3 earlier on
+# PATH (pyenv, an activated venv) may not see them.
+system_python() {
+  if [[ -x /usr/bin/python3 ]]; then
+    echo /usr/bin/python3
+  else
+    command -v python3 || die "no python3 on PATH (Debian: python3)"
+  fi
+}
+
+# The Python of the tools that read llmpar's files: a venv over Debian's python3 that
+# sees its packages (numpy) and adds safetensors from PyPI, which Debian 12 does not
+# package. Exports LLMPAR_TOOLS_PYTHON where that works; offline (no PyPI) it warns and
+# returns 0, and the tests that need it skip.
+ensure_python_tools() {
+  local venv="${LLMPAR_TOOLS_VENV:-$HOME/.cache/llmpar/tools-venv}" base
+  local python="$venv/bin/python"
+  base="$(system_python)"
+  if [[ ! -x "$python" ]]; then
+    if ! mkdir -p "$(dirname "$venv")" || ! "$base" -m venv --system-site-packages "$venv"; then
+      echo "llmpar.sh: warning: cannot create the tools venv $venv with $base (Debian: python3-venv);" \
+        "the tests that read safetensors from Python will skip" >&2
+      return 0
+    fi
+  fi
+  if ! "$python" -c 'import safetensors, numpy' >/dev/null 2>&1; then
+    echo "llmpar.sh: installing safetensors into $venv"
+    if ! "$python" -m pip install --quiet --disable-pip-version-check --retries 1 --timeout 20 safetensors ||
+      ! "$python" -c 'import safetensors, numpy' >/dev/null 2>&1; then
+      echo "llmpar.sh: warning: no safetensors in $venv (is PyPI reachable?);" \
+        "the tests that read safetensors from Python will skip" >&2
+      return 0
+    fi
+  fi
+  export LLMPAR_TOOLS_PYTHON="$python"
+}
+
 cmd_train() {
   [[ -f "$root/examples/train_gpt.cpp" ]] || die "examples/train_gpt.cpp does not exist: nothing to train with"
   # --np N runs N processes under mpirun; the other flags go to train_gpt.
@@ -151,6 +196,7 @@ mpi_environment() {
 
 cmd_test() {
   setup
+  ensure_python_tools  # the safetensors cross-test reads $LLMPAR_TOOLS_PYTHON
   build
   ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --parallel "$jobs" "$@"
 }
@@ -206,6 +252,15 @@ cmd_install() {
   setup
   build
   cmake --install "$build_dir" --prefix "$1"
+}
+
+# Reads a metrics file; needs matplotlib, not a build.
+cmd_plot() {
+  (($# > 0)) || die "usage: ./llmpar.sh plot METRICS.jsonl [--out loss.png] [--title TEXT]"
+  ensure_packages
+  local python
+  python="$(system_python)"
+  exec "$python" "$root/tools/plot_metrics.py" "$@"
 }
 
 
@@ -412,6 +467,7 @@ case "$command" in
   bench) cmd_bench "$@" ;;
   build) cmd_build "$@" ;;
   install) cmd_install "$@" ;;
+  plot) cmd_plot "$@" ;;
   gpu-check) cmd_gpu_check "$@" ;;
   gpu-bundle) cmd_gpu_bundle "$@" ;;
   -h | --help | help) usage ;;

@@ -73,6 +73,12 @@ struct Layout {
   int chunks = 1;                              // virtual stages per pipeline rank
   std::string schedule{};                      // under schedule::Configured
   std::optional<recompute::Mode> recompute{};  // under recompute::Configured
+  // Checkpoints: restore from `resume_from` before the first step (the run then trains
+  // the steps after the checkpoint's), and save into `save_dir` after step `save_step`.
+  std::string resume_from{};
+  std::string save_dir{};
+  int save_step = 0;
+  bool background_save = false;
 };
 
 // Writes elements [first, first + n) of p's local tensor (values or gradients) into
@@ -136,12 +142,24 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
           scatter(p, first, grad, n, target(p, run.grads, run.head_copy_grad));
         });
   });
+  if (!layout.resume_from.empty()) {
+    const auto checkpoint = train::checkpoint::Checkpoint::open(layout.resume_from);
+    trainer.restore(checkpoint.source(), checkpoint.state());
+  }
+  std::optional<train::checkpoint::Checkpointer> saver;
+  if (!layout.save_dir.empty())
+    saver.emplace(world,
+                  train::checkpoint::CheckpointerConfig{.dir = layout.save_dir, .background = layout.background_save});
   std::vector<double> losses, norms;
   while (trainer.steps_done() < layout.steps) {
     const train::StepStats s = trainer.step();
     losses.push_back(s.loss);
     norms.push_back(s.grad_norm);
+    if (saver && s.step == layout.save_step)
+      saver->save(s.step, trainer.snapshot(train::SnapshotScope::saved),
+                  {{"layout", trainer.layout()}, {"model", {{"layers", layout.layers}}}});
   }
+  if (saver) saver->wait();
   const std::lock_guard<std::mutex> lock(mutex);
   run.stashes.resize(static_cast<std::size_t>(world.size()));
   run.peak_stash_bytes.resize(static_cast<std::size_t>(world.size()));

@@ -3,8 +3,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <string>
 
+#include "llmpar/config.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
@@ -143,4 +146,10 @@ TEST_CASE("LLMPAR_CHECK names file, line, values and the failed expression") {
     CHECK(what.find("dim % heads == 0") != std::string::npos);
     CHECK(e.line() > 0);
   }
+}
+
+TEST_CASE("llmpar::kVersion is the project VERSION of CMakeLists.txt (checkpoints record it)") {
+  std::ifstream in(std::string(LLMPAR_SOURCE_DIR) + "/CMakeLists.txt");
+  const std::string text{std::istreambuf_iterator<char>(in), {}};
+  CHECK(text.find(std::string("project(llmpar VERSION ") + kVersion + " ") != std::string::npos);
 }

@@ -346,9 +346,18 @@ TEST_CASE("a restored loader state resumes exactly where it was saved") {
   CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
   CHECK(error_of([&] { b.restore({.shard = 0, .window = 16, .epoch = 0}); }).find("window 16") != std::string::npos);
   CHECK(error_of([&] { b.restore({.shard = 1, .window = 0, .epoch = 0}); }).find("names shard 1") != std::string::npos);
+  // In order, a state of other windows resumes at the same token when it starts a window
+  // here: window 3 of 12 tokens is token 36, window 6 of 6.
+  b.restore({.shard = 0, .window = 3, .epoch = 1, .window_tokens = 12});
+  CHECK(b.state() == LoaderState{.shard = 0, .window = 6, .epoch = 1, .window_tokens = 6});
+  CHECK(to_vector(b.next().inputs)[0] == 36);
   CHECK(error_of([&] {
-          b.restore({.shard = 0, .window = 0, .epoch = 0, .window_tokens = 12});
-        }).find("saved with windows of 12 tokens (world*B*T) but this loader reads 6") != std::string::npos);
+          b.restore({.shard = 0, .window = 1, .epoch = 0, .window_tokens = 9});
+        }).find("saved with windows of 9 tokens (world*B*T) but this loader reads 6") != std::string::npos);
+  DataLoader shuffled(ds, {.batch_size = 2, .seq_len = 3, .shuffle = true});
+  CHECK(error_of([&] {
+          shuffled.restore({.shard = 0, .window = 3, .epoch = 0, .window_tokens = 12});
+        }).find("and shuffles") != std::string::npos);
 }
 
 TEST_CASE("a shuffled epoch visits every window once, in an order fixed by (seed, epoch)") {

@@ -21,6 +21,10 @@
 
 namespace llmpar {
 
+// The library's version (CMakeLists.txt's project VERSION; test_core checks they agree),
+// recorded in every checkpoint.
+inline constexpr const char* kVersion = "0.1.0";
+
 // Alignment of every host allocation: one cache line, and a full AVX-512 vector.
 inline constexpr std::size_t kHostAlignment = 64;
 

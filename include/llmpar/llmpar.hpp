@@ -46,6 +46,7 @@
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/metrics.hpp"
 #include "llmpar/train/safetensors.hpp"
+#include "llmpar/train/checkpoint.hpp"
 #include "llmpar/train/sample.hpp"
 #include "llmpar/train/trace.hpp"
 #include "llmpar/train/trainer.hpp"

@@ -238,10 +238,19 @@ class DataLoader {
   LoaderState state() const { return state_; }
   // Resumes at a state from state(); it must come from a loader with the same data, B, T
   // and world, which the checks below catch in the cases where it would read wrongly.
-  void restore(const LoaderState& s) {
+  // In order (no shuffle), a state saved with other windows resumes at the same token
+  // when that token starts one of this loader's windows (a checkpoint loaded at another
+  // layout with the same tokens per step).
+  void restore(LoaderState s) {
+    if (s.window_tokens != 0 && s.window_tokens != stride_ && !config_.shuffle &&
+        s.window * s.window_tokens % stride_ == 0) {
+      s.window = s.window * s.window_tokens / stride_;
+      s.window_tokens = stride_;
+    }
     LLMPAR_CHECK(s.window_tokens == 0 || s.window_tokens == stride_, "loader state was saved with windows of ",
                  s.window_tokens, " tokens (world*B*T) but this loader reads ", stride_,
-                 "; resume with the batch size, sequence length and world size of the checkpoint");
+                 config_.shuffle ? " and shuffles (an order of windows that depends on their size)" : "",
+                 "; resume with the same dp x batch size x sequence length as the checkpoint");
     LLMPAR_CHECK(s.shard < data_->num_shards(), "loader state names shard ", s.shard, " but the dataset has ",
                  data_->num_shards(), " shards; resume with the data the checkpoint was trained on");
     LLMPAR_CHECK(s.window >= 0 && s.window < windows(s.shard), "loader state window ", s.window, " of '",

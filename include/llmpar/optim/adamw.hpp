@@ -177,6 +177,11 @@ class AdamW {
 
   // Updates applied (a skipped step does not count: Adam's bias correction counts updates).
   int steps_taken() const { return step_; }
+  // A checkpoint's count (the state it restores was built by that many updates).
+  void set_steps_taken(int n) {
+    LLMPAR_CHECK(n >= 0, "AdamW: a step count of ", n, " is negative");
+    step_ = n;
+  }
   const AdamWConfig& config() const { return cfg_; }
   std::span<const Segment<T>> shard() const { return shard_; }
   // Moments (and master weights) of the shard, segment after segment.

@@ -353,8 +353,9 @@ class GradSync final : public nn::UnitHooks {
     const double squares = static_cast<double>(parts[0]) * inv * inv;
     return {std::sqrt(squares), parts[1] == 0.0f && std::isfinite(squares)};
   }
-  // After the optimizer's update: stages 1 and 2 all-gather each bucket's updated values;
-  // stage 3 forgets its gathered values, which are now stale.
+  // After the optimizer's update (or a checkpoint's restore of this rank's blocks):
+  // stages 1 and 2 all-gather each bucket's updated values; stage 3 forgets its gathered
+  // values, which are now stale.
   void after_update() {
     if constexpr (kShardedValues) {
       wait_all();
@@ -364,17 +365,7 @@ class GradSync final : public nn::UnitHooks {
       }
       std::fill(resident_.begin(), resident_.end(), -1);
     }
-    if constexpr (kStage == 1 || kStage == 2) {
-      if (!dp_) return;
-      Backend::synchronize(ctx_);
-      const auto t0 = std::chrono::steady_clock::now();
-      for (const Bucket& b : buckets_) {
-        T* base = store_.values() + b.begin;
-        dp_->all_gather(std::span<const T>(base + dp_rank_ * b.chunk, static_cast<std::size_t>(b.chunk)),
-                        std::span<T>(base, static_cast<std::size_t>(b.size())));
-      }
-      comm_wait_ += seconds_since(t0);
-    }
+    gather_values();
   }
 
   // The segments this rank's optimizer updates: the whole store at stage 0, block r of
@@ -386,6 +377,56 @@ class GradSync final : public nn::UnitHooks {
     return out;
   }
 
+  // A part of a parameter whose optimizer state this rank holds: elements [first, first
+  // + n) of the parameter's local tensor, their values (Space memory), and where their
+  // state sits in the optimizer's arrays (segment after segment, optimizer_shard()'s
+  // order).
+  struct StatePiece {
+    nn::Parameter<T>* param = nullptr;
+    std::int64_t first = 0, n = 0;
+    T* value = nullptr;
+    std::int64_t state_offset = 0;
+  };
+  // Every part whose state this rank holds (what restoring a checkpoint fills): the
+  // whole store at stage 0, block r of every bucket from stage 1.
+  std::vector<StatePiece> held_state() const {
+    std::vector<StatePiece> out;
+    std::int64_t at = 0;
+    if constexpr (kStage == 0) {
+      for (nn::Parameter<T>* p : store_.parameters()) {
+        out.push_back({p, 0, p->numel(), p->value, at});
+        at += p->numel();
+      }
+    } else {
+      for (const Piece& p : owned_) {
+        out.push_back({p.param, p.first, p.n, p.value, at});
+        at += p.n;
+      }
+    }
+    return out;
+  }
+  // The parts this rank writes to a checkpoint, so that the world writes every element
+  // of the model once: block r of every bucket (at stage 0 too, whose replicas share the
+  // writing), tensor-split parameters from every tp rank and replicated ones from tp
+  // rank 0, the last pipeline stage's copy of the tied token table never.
+  std::vector<StatePiece> saved_state() const {
+    std::vector<StatePiece> out;
+    std::unordered_map<const nn::Parameter<T>*, std::int64_t> base;  // stage 0: a parameter's state offset
+    if constexpr (kStage == 0) {
+      std::int64_t at = 0;
+      for (nn::Parameter<T>* p : store_.parameters()) {
+        base[p] = at;
+        at += p->numel();
+      }
+    }
+    std::int64_t at = 0;
+    for (const Piece& p : owned_) {
+      const std::int64_t offset = kStage == 0 ? base.at(p.param) + p.first : at;
+      at += p.n;
+      if (p.counted) out.push_back({p.param, p.first, p.n, p.value, offset});
+    }
+    return out;
+  }
   // Calls f(parameter, first, grad, value, n) for every part of a parameter whose
   // reduced gradient this rank holds after finish(): elements [first, first + n) of the
   // parameter's local tensor, their gradients and current values (Space memory).
@@ -477,6 +518,22 @@ class GradSync final : public nn::UnitHooks {
   void record(TraceEvent e) {
     std::lock_guard<std::mutex> lock(trace_mutex_);
     events_.push_back(e);
+  }
+
+  // Stages 1 and 2: every rank's block of every bucket's values all-gathered into the
+  // store (after the optimizer's update, or after a checkpoint filled this rank's block).
+  void gather_values() {
+    if constexpr (kStage == 1 || kStage == 2) {
+      if (!dp_) return;
+      Backend::synchronize(ctx_);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const Bucket& b : buckets_) {
+        T* base = store_.values() + b.begin;
+        dp_->all_gather(std::span<const T>(base + dp_rank_ * b.chunk, static_cast<std::size_t>(b.chunk)),
+                        std::span<T>(base, static_cast<std::size_t>(b.size())));
+      }
+      comm_wait_ += seconds_since(t0);
+    }
   }
 
   // Lays the store out unit by unit in backward order, cuts buckets, and builds the

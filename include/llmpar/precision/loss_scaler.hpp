@@ -33,6 +33,14 @@
 
 namespace llmpar::precision {
 
+// A scaler's state, for checkpoints (NoLossScaler keeps only `skipped`).
+struct ScalerState {
+  float scale = 1.0f;
+  int good_steps = 0;
+  int hysteresis_left = 0;
+  std::int64_t skipped = 0, growths = 0, backoffs = 0;
+};
+
 // What a scaler decided about one step.
 struct ScaleUpdate {
   bool skipped = false;  // the step's update must not be applied
@@ -93,6 +101,21 @@ class DynamicLossScaler {
   int hysteresis_left() const { return hysteresis_left_; }
   const Config& config() const { return cfg_; }
 
+  ScalerState state() const { return {scale_, good_steps_, hysteresis_left_, skipped_, growths_, backoffs_}; }
+  void restore(const ScalerState& s) {
+    LLMPAR_CHECK(std::isfinite(s.scale) && s.scale >= cfg_.min_scale && s.good_steps >= 0 && s.hysteresis_left >= 0 &&
+                     s.hysteresis_left <= cfg_.hysteresis && s.skipped >= 0,
+                 "loss scaler state (scale ", s.scale, ", ", s.good_steps, " good steps, hysteresis ",
+                 s.hysteresis_left, ") does not fit this scaler (min scale ", cfg_.min_scale, ", hysteresis ",
+                 cfg_.hysteresis, ")");
+    scale_ = s.scale;
+    good_steps_ = s.good_steps;
+    hysteresis_left_ = s.hysteresis_left;
+    skipped_ = s.skipped;
+    growths_ = s.growths;
+    backoffs_ = s.backoffs;
+  }
+
  private:
   static Config validated(const Config& c) {
     LLMPAR_CHECK(std::isfinite(c.initial_scale) && c.initial_scale > 0.0f, "loss scaler: initial_scale is ",
@@ -130,6 +153,8 @@ class NoLossScaler {
     return {.skipped = found_inf};
   }
   std::int64_t skipped_steps() const { return skipped_; }
+  ScalerState state() const { return {.skipped = skipped_}; }
+  void restore(const ScalerState& s) { skipped_ = s.skipped; }
 
  private:
   std::int64_t skipped_ = 0;

@@ -14,13 +14,23 @@
 // naming the file and the problem — never a crash or a tensor read from the wrong bytes.
 // Only the dtypes llmpar stores (F32, BF16, F16, I32, I64, U8) are accepted; another is
 // named in the error.
+//
+// File::open reads and checks the header only; read_into then reads any byte range of a
+// tensor (pread), so a rank loading a slice of a checkpoint reads that slice alone.
+// File::read also loads all data. write() can fsync the file before it returns (what a
+// checkpoint needs before it renames its directory into place).
 #pragma once
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -88,11 +98,49 @@ inline std::int64_t checked_numel(const std::vector<std::int64_t>& shape, const 
   }
   return n;
 }
+
+// A file descriptor closed when it goes out of scope.
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+inline void write_all(int fd, const void* data, std::size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30));
+    if (w < 0 && errno == EINTR) continue;
+    LLMPAR_CHECK(w > 0, "safetensors: writing ", path, " failed (", std::strerror(errno), "; disk full?)");
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+// Reads n bytes at `offset` of fd; false at end of file.
+inline bool read_all(int fd, void* data, std::size_t n, std::uint64_t offset) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30), static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+    offset += static_cast<std::uint64_t>(r);
+  }
+  return true;
+}
 }  // namespace detail
 
 // Writes `tensors` (and string metadata) to `path`. Names must be unique and not empty.
+// Sync::yes: the bytes are on the disk (fsync) when it returns.
+enum class Sync : bool { no, yes };
 inline void write(const std::string& path, std::span<const TensorRef> tensors,
-                  const std::map<std::string, std::string>& metadata = {}) {
+                  const std::map<std::string, std::string>& metadata = {}, Sync sync = Sync::no) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
@@ -108,47 +156,54 @@ inline void write(const std::string& path, std::span<const TensorRef> tensors,
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  LLMPAR_CHECK(out.good(), "safetensors: cannot open ", path,
-               " for writing; check the directory exists and is writable");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  LLMPAR_CHECK(fd >= 0, "safetensors: cannot open ", path, " for writing (", std::strerror(errno),
+               "); check the directory exists and is writable");
+  const detail::Fd closer{fd};
   const std::uint64_t n = text.size();
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xff);
-  out.write(reinterpret_cast<const char*>(length), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  detail::write_all(fd, length, 8, path);
+  detail::write_all(fd, text.data(), text.size(), path);
   for (const TensorRef& t : tensors) {
     const std::int64_t bytes = detail::checked_numel(t.shape, t.name) * static_cast<std::int64_t>(size_of(t.dtype));
-    if (bytes > 0) out.write(static_cast<const char*>(t.data), static_cast<std::streamsize>(bytes));
+    if (bytes > 0) detail::write_all(fd, t.data, static_cast<std::size_t>(bytes), path);
   }
-  out.flush();
-  LLMPAR_CHECK(out.good(), "safetensors: writing ", path, " failed (disk full?)");
+  if (sync == Sync::yes)
+    LLMPAR_CHECK(::fsync(fd) == 0, "safetensors: fsync of ", path, " failed (", std::strerror(errno), ")");
 }
 
-// A file read and checked whole: its tensors by name, their bytes, the metadata.
+// A file whose header was read and checked: its tensors by name, the metadata, and
+// (after read(), or a range at a time with read_into) their bytes.
 class File {
  public:
-  static File read(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    LLMPAR_CHECK(in.good(), "safetensors: cannot open ", path);
-    in.seekg(0, std::ios::end);
-    const auto size = static_cast<std::uint64_t>(in.tellg());
-    in.seekg(0);
+  // The header alone, checked against the file's size.
+  static File open(const std::string& path) {
     File f;
     f.path_ = path;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    LLMPAR_CHECK(fd >= 0, "safetensors: cannot open ", path, " (", std::strerror(errno), ")");
+    f.fd_ = std::make_shared<detail::Fd>(fd);
+    struct stat st {};
+    LLMPAR_CHECK(::fstat(fd, &st) == 0 && S_ISREG(st.st_mode), "safetensors: ", path, " is not a regular file");
+    const auto size = static_cast<std::uint64_t>(st.st_size);
     LLMPAR_CHECK(size >= 8, "safetensors: ", path, " holds ", size,
                  " bytes, fewer than the 8 of the header length: not a safetensors file (or truncated)");
     unsigned char length[8];
-    in.read(reinterpret_cast<char*>(length), 8);
+    LLMPAR_CHECK(detail::read_all(fd, length, 8, 0), "safetensors: reading ", path, " failed");
     std::uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
     LLMPAR_CHECK(n <= size - 8 && n <= (std::uint64_t{100} << 20), "safetensors: ", path, " says its header holds ", n,
                  " bytes, but the file has ", size - 8,
                  " after the length (and headers stop at 100 MiB): truncated or not a safetensors file");
     std::string text(static_cast<std::size_t>(n), '\0');
-    in.read(text.data(), static_cast<std::streamsize>(n));
+    LLMPAR_CHECK(detail::read_all(fd, text.data(), text.size(), 8), "safetensors: reading the header of ", path,
+                 " failed");
     const nlohmann::json header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     LLMPAR_CHECK(header.is_object(), "safetensors: the header of ", path, " is not a JSON object");
+    f.data_begin_ = 8 + n;
     const std::uint64_t data_size = size - 8 - n;
+    f.data_size_ = data_size;
     for (const auto& [name, entry] : header.items()) {
       if (name == "__metadata__") {
         LLMPAR_CHECK(entry.is_object(), "safetensors: ", path, ": __metadata__ is not an object");
@@ -172,10 +227,27 @@ class File {
     }
     LLMPAR_CHECK(at == data_size, "safetensors: ", path, ": the tensors cover ", at,
                  " bytes of data but the file holds ", data_size, " (truncated, or bytes no tensor owns)");
-    f.data_.resize(static_cast<std::size_t>(data_size));
-    in.read(reinterpret_cast<char*>(f.data_.data()), static_cast<std::streamsize>(data_size));
-    LLMPAR_CHECK(in.good() || data_size == 0, "safetensors: reading the data of ", path, " failed");
     return f;
+  }
+  // The header and all the data.
+  static File read(const std::string& path) {
+    File f = open(path);
+    f.data_.resize(static_cast<std::size_t>(f.data_size_));
+    LLMPAR_CHECK(detail::read_all(f.fd_->fd, f.data_.data(), f.data_.size(), f.data_begin_) || f.data_.empty(),
+                 "safetensors: reading the data of ", path, " failed");
+    return f;
+  }
+
+  // Bytes [offset, offset + n) of tensor t's data into dst.
+  void read_into(const TensorInfo& t, std::uint64_t offset, std::uint64_t n, void* dst) const {
+    LLMPAR_CHECK(offset <= t.end - t.begin && n <= t.end - t.begin - offset, "safetensors: ", path_, ": bytes [",
+                 offset, ", ", offset + n, ") are outside tensor '", t.name, "' (", t.end - t.begin, " bytes)");
+    if (!data_.empty()) {
+      std::memcpy(dst, data_.data() + t.begin + offset, static_cast<std::size_t>(n));
+      return;
+    }
+    LLMPAR_CHECK(detail::read_all(fd_->fd, dst, static_cast<std::size_t>(n), data_begin_ + t.begin + offset),
+                 "safetensors: ", path_, ": reading tensor '", t.name, "' failed (the file shrank?)");
   }
 
   const std::string& path() const { return path_; }
@@ -194,7 +266,10 @@ class File {
                  ", not ", format_name(dtype));
     return *t;
   }
+  // After read(): the bytes of tensor t.
   std::span<const std::byte> bytes(const TensorInfo& t) const {
+    LLMPAR_CHECK(data_.size() == data_size_, "safetensors: ", path_,
+                 " was opened for its header only; read it with File::read, or use read_into");
     return std::span<const std::byte>(data_.data() + t.begin, static_cast<std::size_t>(t.end - t.begin));
   }
 
@@ -230,6 +305,8 @@ class File {
   }
 
   std::string path_;
+  std::shared_ptr<detail::Fd> fd_;  // shared: a File is copyable
+  std::uint64_t data_begin_ = 0, data_size_ = 0;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
   std::vector<std::byte> data_;

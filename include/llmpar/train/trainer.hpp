@@ -64,9 +64,14 @@
 #include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
+#include "llmpar/train/checkpoint.hpp"
 #include "llmpar/train/metrics.hpp"
 
 namespace llmpar::train {
+
+// Which of a rank's state a snapshot holds: what it writes to a checkpoint (so that the
+// world writes each element of the model once), or all it holds (to roll back to).
+enum class SnapshotScope { saved, held };
 
 struct TrainerConfig {
   std::int64_t steps = 100;
@@ -119,6 +124,8 @@ class Trainer {
   using Context = typename Backend::Context;
   using T = typename Model::value_type;
   using Optimizer = typename Backend::template Optimizer<T>;
+  using Space = typename Backend::Space;
+  using Grad = acc_t<T>;
   using Precision = typename Policy::precision;
   using Scaler = precision::ScalerFor<Precision>;
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
@@ -248,7 +255,148 @@ class Trainer {
   }
   const Scaler& loss_scaler() const { return scaler_; }
 
+  // ---- checkpoints (train/checkpoint.hpp)
+
+  // This rank's parameters (f32 master values) and AdamW moments, copied to host memory,
+  // and the trainer's state. Between steps; every rank calls it (no communication).
+  checkpoint::Snapshot snapshot(SnapshotScope scope) {
+    static_assert(std::is_same_v<Grad, float>,
+                  "llmpar::train::Trainer: checkpoints store f32 master weights and "
+                  "moments; train in fp32, bf16 or fp16");
+    Backend::synchronize(ctx_);
+    const auto pieces = scope == SnapshotScope::saved ? sync_.saved_state() : sync_.held_state();
+    checkpoint::Snapshot s;
+    std::int64_t total = 0;
+    for (const auto& p : pieces) total += p.n;
+    for (auto& d : s.data) d.resize(static_cast<std::size_t>(total));
+    std::int64_t at = 0;
+    for (const auto& p : pieces) {
+      s.pieces.push_back({p.param->name, p.param->shape, p.param->split, p.first, p.n});
+      const std::size_t bytes = static_cast<std::size_t>(p.n) * sizeof(float);
+      if constexpr (Optimizer::kSeparateMaster)
+        Space::copy_to_host(s.data[0].data() + at, optimizer_.master_weights().data() + p.state_offset, bytes);
+      else
+        Space::copy_to_host(s.data[0].data() + at, p.value, bytes);
+      Space::copy_to_host(s.data[1].data() + at, optimizer_.first_moment().data() + p.state_offset, bytes);
+      Space::copy_to_host(s.data[2].data() + at, optimizer_.second_moment().data() + p.state_offset, bytes);
+      at += p.n;
+    }
+    s.state = state();
+    return s;
+  }
+
+  // Continues the run a checkpoint (or snapshot) stopped: every value and moment this
+  // rank holds read from `source` (saved at this layout or any other), then the step,
+  // the data position and the loss scaler from `state`. Every rank calls it together.
+  void restore(const checkpoint::Source& source, const nlohmann::json& state) {
+    static_assert(std::is_same_v<Grad, float>,
+                  "llmpar::train::Trainer: checkpoints store f32 master weights and "
+                  "moments; train in fp32, bf16 or fp16");
+    Backend::synchronize(ctx_);
+    std::vector<float> staging;
+    std::vector<T> values;
+    for (const auto& p : sync_.held_state()) {
+      staging.resize(static_cast<std::size_t>(p.n));
+      const std::size_t bytes = staging.size() * sizeof(float);
+      const nn::Parameter<T>& param = *p.param;
+      source.fill(checkpoint::Kind::param, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      if constexpr (Optimizer::kSeparateMaster) {
+        Space::copy_from_host(optimizer_.master_weights().data() + p.state_offset, staging.data(), bytes);
+        values.resize(staging.size());
+        backend::cpu::convert(values.data(), staging.data(), p.n);
+        Space::copy_from_host(p.value, values.data(), values.size() * sizeof(T));
+      } else {
+        Space::copy_from_host(p.value, staging.data(), bytes);
+      }
+      source.fill(checkpoint::Kind::exp_avg, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      Space::copy_from_host(optimizer_.first_moment().data() + p.state_offset, staging.data(), bytes);
+      source.fill(checkpoint::Kind::exp_avg_sq, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      Space::copy_from_host(optimizer_.second_moment().data() + p.state_offset, staging.data(), bytes);
+    }
+    sync_.after_update();  // every rank's blocks to every replica (stages 1, 2); stale gathers forgotten (3)
+    restore_state(state, source.what());
+  }
+
+  // The step, data position, optimizer step count and loss scaler (what a checkpoint's
+  // metadata holds besides the tensors).
+  nlohmann::json state() const {
+    const data::LoaderState l = train_.state();
+    const precision::ScalerState sc = scaler_.state();
+    return {{"step", step_},
+            {"optimizer_steps", optimizer_.steps_taken()},
+            {"loader",
+             {{"shard", l.shard},
+              {"window", l.window},
+              {"epoch", l.epoch},
+              {"window_tokens", l.window_tokens},
+              {"shuffle", train_.config().shuffle},
+              {"seed", train_.config().seed}}},
+            {"loss_scaler",
+             {{"scale", sc.scale},
+              {"good_steps", sc.good_steps},
+              {"hysteresis_left", sc.hysteresis_left},
+              {"skipped", sc.skipped},
+              {"growths", sc.growths},
+              {"backoffs", sc.backoffs}}}};
+  }
+
+  // The layout this rank trains at, as a checkpoint records it.
+  nlohmann::json layout() const {
+    const nn::TensorParallelGroup tp = model_.tensor_parallel();
+    const auto& pl = model_.placement();
+    return {{"tp", tp.size()},
+            {"sp", tp.sequence_parallel()},
+            {"pp", pl.stages},
+            {"virtual_stages", pl.chunks},
+            {"partition", pl.partition.describe()},
+            {"dp", sync_.dp_size()},
+            {"zero", Policy::kZeroStage},
+            {"precision", Precision::kName},
+            {"grad_accum", cfg_.grad_accum}};
+  }
+
  private:
+  void restore_state(const nlohmann::json& s, const std::string& what) {
+    const auto number = [&](const nlohmann::json& obj, const char* key) -> std::int64_t {
+      LLMPAR_CHECK(
+          obj.is_object() && obj.contains(key) && obj[key].is_number_integer() && obj[key].get<std::int64_t>() >= 0,
+          what, ": the trainer state has no count '", key, "'");
+      return obj[key].get<std::int64_t>();
+    };
+    const std::int64_t step = number(s, "step");
+    const std::int64_t updates = number(s, "optimizer_steps");
+    LLMPAR_CHECK(updates <= step && step < (std::int64_t{1} << 31), what, ": ", updates, " optimizer updates in ", step,
+                 " steps");
+    LLMPAR_CHECK(s.contains("loader") && s.contains("loss_scaler"), what,
+                 ": the trainer state has no 'loader' or 'loss_scaler'");
+    const nlohmann::json& l = s["loader"];
+    const bool shuffle = l.contains("shuffle") && l["shuffle"].is_boolean() && l["shuffle"].get<bool>();
+    const std::uint64_t seed =
+        l.contains("seed") && l["seed"].is_number_unsigned() ? l["seed"].get<std::uint64_t>() : 0;
+    LLMPAR_CHECK(shuffle == train_.config().shuffle && (!shuffle || seed == train_.config().seed), what,
+                 ": the data order was ",
+                 shuffle ? "shuffled with seed " + std::to_string(seed) : std::string("in order"),
+                 " but this run's loader reads ",
+                 train_.config().shuffle ? "shuffled with seed " + std::to_string(train_.config().seed)
+                                         : std::string("in order"),
+                 "; resume with the checkpoint's --seed and --shuffle/--no-shuffle");
+    train_.restore({.shard = static_cast<std::size_t>(number(l, "shard")),
+                    .window = number(l, "window"),
+                    .epoch = number(l, "epoch"),
+                    .window_tokens = number(l, "window_tokens")});
+    const nlohmann::json& sc = s["loss_scaler"];
+    LLMPAR_CHECK(sc.is_object() && sc.contains("scale") && sc["scale"].is_number(), what,
+                 ": the loss scaler state has no scale");
+    scaler_.restore({.scale = sc["scale"].get<float>(),
+                     .good_steps = static_cast<int>(number(sc, "good_steps")),
+                     .hysteresis_left = static_cast<int>(number(sc, "hysteresis_left")),
+                     .skipped = number(sc, "skipped"),
+                     .growths = number(sc, "growths"),
+                     .backoffs = number(sc, "backoffs")});
+    optimizer_.set_steps_taken(static_cast<int>(updates));
+    step_ = step;
+  }
+
   static typename Scaler::Config scaler_config(const TrainerConfig& cfg) {
     if constexpr (Precision::kHasLossScale)
       return cfg.loss_scale;

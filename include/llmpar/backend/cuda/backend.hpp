@@ -175,6 +175,11 @@ class AdamW {
   }
 
   int steps_taken() const { return step_; }
+  // A checkpoint's count (the state it restores was built by that many updates).
+  void set_steps_taken(int n) {
+    LLMPAR_CHECK(n >= 0, "AdamW: a step count of ", n, " is negative");
+    step_ = n;
+  }
   const optim::AdamWConfig& config() const { return cfg_; }
   std::span<const optim::Segment<T>> shard() const { return shard_; }
   std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
