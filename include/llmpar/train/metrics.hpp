@@ -33,6 +33,12 @@ struct StepStats {
   std::int64_t skipped_total = 0;  // skipped steps so far, this one included
   double comm_ms = 0.0;            // communication the step waited for (what overlap did not hide)
   double bubble_ms = 0.0;          // pipeline: this rank's wait for other stages (its measured bubble)
+  // A loss spike (train/spike_guard.hpp): the step was not applied; the run rolled back
+  // to after step rolled_back_to and skipped skipped_batches steps' worth of data.
+  bool rolled_back = false;
+  std::int64_t rolled_back_to = 0;
+  std::int64_t skipped_batches = 0;
+  std::string spike;  // why it is a spike
 };
 
 // Model FLOPs per trained token (forward and backward).
@@ -58,7 +64,19 @@ class MetricsWriter {
     out_.flush();
   }
 
+  // A step record, or for a loss spike the rollback it caused (the step was not applied;
+  // the steps after rolled_back_to are logged again as the run repeats them).
   void write_step(const StepStats& s) {
+    if (s.rolled_back) {
+      write({{"type", "rollback"},
+             {"step", s.step},
+             {"to_step", s.rolled_back_to},
+             {"loss", s.loss},
+             {"grad_norm", s.grad_norm},
+             {"reason", s.spike},
+             {"skipped_batches", s.skipped_batches}});
+      return;
+    }
     write({{"type", "step"},
            {"step", s.step},
            {"loss", s.loss},
@@ -80,7 +98,16 @@ class MetricsWriter {
 
 // One line per step; `scaled` adds the loss scale (FP16Mixed runs). A skipped step says so.
 inline std::string format_step(const StepStats& s, std::int64_t total_steps, bool scaled = false) {
-  char line[320];
+  char line[480];
+  if (s.rolled_back) {
+    std::snprintf(line, sizeof line,
+                  "step %5lld/%lld | loss %.4f | norm %.3f | loss spike: %s; rolled back to step %lld, skipping %lld "
+                  "batch%s",
+                  static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.grad_norm,
+                  s.spike.c_str(), static_cast<long long>(s.rolled_back_to), static_cast<long long>(s.skipped_batches),
+                  s.skipped_batches == 1 ? "" : "es");
+    return line;
+  }
   int n = std::snprintf(line, sizeof line,
                         "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
                         static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm,

@@ -66,6 +66,7 @@
 #include "llmpar/precision/policy.hpp"
 #include "llmpar/train/checkpoint.hpp"
 #include "llmpar/train/metrics.hpp"
+#include "llmpar/train/spike_guard.hpp"
 
 namespace llmpar::train {
 
@@ -85,9 +86,12 @@ struct TrainerConfig {
   std::string schedule{};
   int virtual_stages = 1;
   std::optional<recompute::Mode> recompute{};
+  // Loss spikes: detected, rolled back to an in-memory snapshot, their data skipped.
+  SpikeGuardConfig spike_guard{};
 
   void validate() const {
     data.validate();
+    spike_guard.validate();
     LLMPAR_CHECK(virtual_stages >= 1, "virtual_stages is ", virtual_stages,
                  "; each pipeline rank holds at least 1 chunk (--virtual-stages 1)");
     LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
@@ -154,6 +158,7 @@ class Trainer {
         replicas_(sync_.dp()),
         pipeline_(groups.pp && groups.pp->size() > 1 ? groups.pp : nullptr) {
     schedule.validate();
+    if (cfg.spike_guard.enabled) guard_.emplace(cfg.spike_guard);
     model.set_recompute(recompute_mode(cfg));
     if (replicas_) {
       LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
@@ -165,6 +170,7 @@ class Trainer {
 
   // One optimizer step over grad_accum micro-batches.
   StepStats step() {
+    if (guard_ && snapshot_step_ < 0) take_snapshot();
     const auto t0 = std::chrono::steady_clock::now();
     const auto& lc = train_.config();
     const std::int64_t batch = lc.batch_size, seq = lc.seq_len, m = cfg_.grad_accum;
@@ -185,16 +191,22 @@ class Trainer {
     loss = pipeline_sum(loss) / static_cast<double>(m);
     if (replicas_) loss = average(loss);
     if (gradient_hook_) gradient_hook_(model_);
-    LLMPAR_CHECK(std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
-                 "; lower --lr, raise --warmup, or check the data");
+    LLMPAR_CHECK(guard_ || std::isfinite(loss), "the loss is ", loss, " at step ", step_ + 1,
+                 "; lower --lr, raise --warmup, or check the data (or let --spike-guard roll back)");
     const float lr = schedule_(step_);
     // The norm and its verdict over every rank.
     const float inv_scale = 1.0f / loss_scale;
     const optim::GradNorm norm = sync_.gradient_norm(inv_scale);
+    // Every rank sees the same loss and norm, so every rank decides the same.
+    if (guard_) {
+      if (const auto spike = guard_->check(loss, norm.norm, Precision::kHasLossScale && !norm.finite))
+        return roll_back(*spike, loss, norm.norm, t0);
+    }
     const precision::ScaleUpdate verdict = scaler_.update(!norm.finite, step_ + 1);
     if (!verdict.skipped) {
       optimizer_.update(lr, norm, inv_scale);
       sync_.after_update();
+      if (guard_) guard_->record(step_ + 1, loss);
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -216,7 +228,13 @@ class Trainer {
       s.mfu =
           flops_per_token(model_.num_parameters(), mc.layers, mc.dim, seq) * s.tokens_per_s / (cfg_.peak_gflops * 1e9);
     }
+    if (guard_ && !verdict.skipped && step_ % cfg_.spike_guard.snapshot_every == 0) take_snapshot();
     return s;
+  }
+
+  // Skips the data of n steps (grad_accum batches each): what a run that never saw them reads next.
+  void skip_batches(std::int64_t n) {
+    for (std::int64_t i = 0; i < n * cfg_.grad_accum; ++i) static_cast<void>(train_.next());
   }
 
   // Called once per step after the gradients are complete (reduced over dp, summed over
@@ -240,6 +258,8 @@ class Trainer {
   }
 
   std::int64_t steps_done() const { return step_; }
+  // The loss spike guard (empty when TrainerConfig::spike_guard is off).
+  const std::optional<SpikeGuard>& spike_guard() const { return guard_; }
   Optimizer& optimizer() { return optimizer_; }
   Sync& sync() { return sync_; }
   // The pipeline schedule's executor: its actions, the last step's timings and idle time,
@@ -289,33 +309,13 @@ class Trainer {
   // rank holds read from `source` (saved at this layout or any other), then the step,
   // the data position and the loss scaler from `state`. Every rank calls it together.
   void restore(const checkpoint::Source& source, const nlohmann::json& state) {
-    static_assert(std::is_same_v<Grad, float>,
-                  "llmpar::train::Trainer: checkpoints store f32 master weights and "
-                  "moments; train in fp32, bf16 or fp16");
-    Backend::synchronize(ctx_);
-    std::vector<float> staging;
-    std::vector<T> values;
-    for (const auto& p : sync_.held_state()) {
-      staging.resize(static_cast<std::size_t>(p.n));
-      const std::size_t bytes = staging.size() * sizeof(float);
-      const nn::Parameter<T>& param = *p.param;
-      source.fill(checkpoint::Kind::param, param.name, param.shape, param.split, p.first, p.n, staging.data());
-      if constexpr (Optimizer::kSeparateMaster) {
-        Space::copy_from_host(optimizer_.master_weights().data() + p.state_offset, staging.data(), bytes);
-        values.resize(staging.size());
-        backend::cpu::convert(values.data(), staging.data(), p.n);
-        Space::copy_from_host(p.value, values.data(), values.size() * sizeof(T));
-      } else {
-        Space::copy_from_host(p.value, staging.data(), bytes);
-      }
-      source.fill(checkpoint::Kind::exp_avg, param.name, param.shape, param.split, p.first, p.n, staging.data());
-      Space::copy_from_host(optimizer_.first_moment().data() + p.state_offset, staging.data(), bytes);
-      source.fill(checkpoint::Kind::exp_avg_sq, param.name, param.shape, param.split, p.first, p.n, staging.data());
-      Space::copy_from_host(optimizer_.second_moment().data() + p.state_offset, staging.data(), bytes);
-    }
-    sync_.after_update();  // every rank's blocks to every replica (stages 1, 2); stale gathers forgotten (3)
+    fill(source, /*moments=*/true);
     restore_state(state, source.what());
   }
+  // Only the weights (master and working copy) from `source`, e.g. a Hugging Face file
+  // (train/hf_gpt2.hpp): the moments, the step and the data position stay as they are.
+  // Every rank calls it together.
+  void load_weights(const checkpoint::Source& source) { fill(source, /*moments=*/false); }
 
   // The step, data position, optimizer step count and loss scaler (what a checkpoint's
   // metadata holds besides the tensors).
@@ -337,7 +337,10 @@ class Trainer {
               {"hysteresis_left", sc.hysteresis_left},
               {"skipped", sc.skipped},
               {"growths", sc.growths},
-              {"backoffs", sc.backoffs}}}};
+              {"backoffs", sc.backoffs}}},
+            {"spike_guard",
+             {{"history", guard_ ? guard_->history() : std::vector<std::pair<std::int64_t, double>>{}},
+              {"rollbacks", guard_ ? guard_->rollback_steps() : std::vector<std::int64_t>{}}}}};
   }
 
   // The layout this rank trains at, as a checkpoint records it.
@@ -356,6 +359,36 @@ class Trainer {
   }
 
  private:
+  // Every value (and with `moments`, every moment) this rank holds, from `source`.
+  void fill(const checkpoint::Source& source, bool moments) {
+    static_assert(std::is_same_v<Grad, float>,
+                  "llmpar::train::Trainer: checkpoints store f32 master weights and "
+                  "moments; train in fp32, bf16 or fp16");
+    Backend::synchronize(ctx_);
+    std::vector<float> staging;
+    std::vector<T> values;
+    for (const auto& p : sync_.held_state()) {
+      staging.resize(static_cast<std::size_t>(p.n));
+      const std::size_t bytes = staging.size() * sizeof(float);
+      const nn::Parameter<T>& param = *p.param;
+      source.fill(checkpoint::Kind::param, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      if constexpr (Optimizer::kSeparateMaster) {
+        Space::copy_from_host(optimizer_.master_weights().data() + p.state_offset, staging.data(), bytes);
+        values.resize(staging.size());
+        backend::cpu::convert(values.data(), staging.data(), p.n);
+        Space::copy_from_host(p.value, values.data(), values.size() * sizeof(T));
+      } else {
+        Space::copy_from_host(p.value, staging.data(), bytes);
+      }
+      if (!moments) continue;
+      source.fill(checkpoint::Kind::exp_avg, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      Space::copy_from_host(optimizer_.first_moment().data() + p.state_offset, staging.data(), bytes);
+      source.fill(checkpoint::Kind::exp_avg_sq, param.name, param.shape, param.split, p.first, p.n, staging.data());
+      Space::copy_from_host(optimizer_.second_moment().data() + p.state_offset, staging.data(), bytes);
+    }
+    sync_.after_update();  // every rank's blocks to every replica (stages 1, 2); stale gathers forgotten (3)
+  }
+
   void restore_state(const nlohmann::json& s, const std::string& what) {
     const auto number = [&](const nlohmann::json& obj, const char* key) -> std::int64_t {
       LLMPAR_CHECK(
@@ -395,6 +428,49 @@ class Trainer {
                      .backoffs = number(sc, "backoffs")});
     optimizer_.set_steps_taken(static_cast<int>(updates));
     step_ = step;
+    if (guard_ && s.contains("spike_guard")) {
+      const nlohmann::json& g = s["spike_guard"];
+      std::vector<std::pair<std::int64_t, double>> history;
+      std::vector<std::int64_t> rollbacks;
+      try {
+        history = g.at("history").get<std::vector<std::pair<std::int64_t, double>>>();
+        rollbacks = g.at("rollbacks").get<std::vector<std::int64_t>>();
+      } catch (const nlohmann::json::exception&) {
+        LLMPAR_FAIL(what, ": the spike guard's state is not {history: [[step, loss], ...], rollbacks: [step, ...]}");
+      }
+      guard_->restore(history, rollbacks);
+    }
+    snapshot_step_ = -1;  // the next step snapshots the restored state
+  }
+
+  // The guard's snapshot: everything this rank holds, to roll back to.
+  void take_snapshot() {
+    last_good_ = snapshot(SnapshotScope::held);
+    snapshot_step_ = step_;
+  }
+
+  // A spike at step step_ + 1: nothing applied; back to the snapshot (step c), the data
+  // of steps c+1 .. step_ + 1 and skip_batches more skipped.
+  StepStats roll_back(const Spike& spike, double loss, double norm, std::chrono::steady_clock::time_point t0) {
+    const std::int64_t at = step_ + 1, to = snapshot_step_;
+    guard_->rolled_back(at, to, spike);  // throws after too many
+    const std::vector<std::int64_t> counted = guard_->rollback_steps();
+    restore(checkpoint::Source::of(last_good_), last_good_.state);
+    guard_->restore(guard_->history(), counted);
+    const std::int64_t skip = (at - to) + cfg_.spike_guard.skip_batches;
+    skip_batches(skip);
+    snapshot_step_ = to;  // the snapshot is still the last good state
+    StepStats s;
+    s.step = at;
+    s.loss = loss;
+    s.grad_norm = norm;
+    s.rolled_back = true;
+    s.rolled_back_to = to;
+    s.skipped_batches = skip;
+    s.spike = spike.reason;
+    s.skipped_total = scaler_.skipped_steps();
+    s.ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
   }
 
   static typename Scaler::Config scaler_config(const TrainerConfig& cfg) {
@@ -496,6 +572,9 @@ class Trainer {
   std::vector<std::int32_t> tokens_, targets_;  // this step's micro-batches (host)
   std::vector<pipeline::MicroBatch> micro_;
   std::int64_t step_ = 0;
+  std::optional<SpikeGuard> guard_;
+  checkpoint::Snapshot last_good_;   // the guard's snapshot, after step snapshot_step_
+  std::int64_t snapshot_step_ = -1;  // -1: none yet
 };
 
 }  // namespace llmpar::train
