@@ -168,6 +168,36 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "selective", "full"}))
       ->capture_default_str();
   app.add_option("--trace", o.trace, "Write the pipeline timeline of step 2 (or 1) as Chrome trace JSON (Perfetto)");
+  app.add_option("--save", o.save,
+                 "Checkpoint directory: step_N subdirectories (each rank its shard) and 'latest'; saved at the end "
+                 "and every --save-every steps, in the background");
+  app.add_option("--save-every", o.save_every, "Steps between checkpoints (0: only at the end)")->capture_default_str();
+  app.add_option("--keep", o.keep, "Checkpoints to keep, the newest (0: all)")->capture_default_str();
+  app.add_option("--resume", o.resume,
+                 "Continue a run: a step_N checkpoint, a --save directory (its latest), or 'latest' (--save's; none "
+                 "yet starts afresh). Any layout loads any other");
+  app.add_option("--exit-after", o.exit_after, "Stop after this step (checkpointed with --save), to --resume later");
+  app.add_option("--init-from", o.init_from, "Start from a Hugging Face GPT-2 safetensors file's weights");
+  app.add_option("--export", o.export_to,
+                 "Write the final weights as a Hugging Face GPT-2 safetensors file (--steps 0: convert only)");
+  app.add_flag("--spike-guard", o.spike_guard, "Roll back loss spikes and skip their data (default: on with --save)");
+  app.add_flag("--no-spike-guard", o.no_spike_guard, "No loss spike guard, even with --save");
+  app.add_option("--spike-factor", o.spike.median_factor, "Spike: a loss above this x the running median (0: off)")
+      ->capture_default_str();
+  app.add_option("--spike-z", o.spike.z_score, "Spike: a loss this many deviations above the running mean (0: off)")
+      ->capture_default_str();
+  app.add_option("--spike-window", o.spike.window, "Recent losses the spike statistics are of")->capture_default_str();
+  app.add_option("--spike-min-history", o.spike.min_history, "Losses seen before spikes are detected")
+      ->capture_default_str();
+  app.add_option("--spike-snapshot-every", o.spike.snapshot_every, "Steps between the in-memory snapshots")
+      ->capture_default_str();
+  app.add_option("--spike-skip", o.spike.skip_batches,
+                 "Steps' worth of data skipped after a spike's own (those since the snapshot are always skipped)")
+      ->capture_default_str();
+  app.add_option("--spike-max-rollbacks", o.spike.max_rollbacks, "Rollbacks allowed within --spike-rollback-window")
+      ->capture_default_str();
+  app.add_option("--spike-rollback-window", o.spike.rollback_window, "Steps of the rollback limit's window")
+      ->capture_default_str();
   app.add_flag("--tf32", o.tf32, "CUDA: fp32 GEMMs on TF32 tensor cores (faster, 10-bit mantissa products)");
   app.footer(
       "Ranks (read before the options above):\n"

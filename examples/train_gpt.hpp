@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <llmpar/llmpar.hpp>
@@ -56,7 +57,65 @@ struct Options {
   std::string partition = "even";  // even, parameters, or "3,3,2"
   std::string recompute = "none";  // none, selective, full
   std::string trace;               // Chrome trace JSON of one step's pipeline timeline
+  // Checkpoints (train/checkpoint.hpp) and Hugging Face weights (train/hf_gpt2.hpp).
+  std::string save;                                  // directory of step_N checkpoints and `latest`
+  std::int64_t save_every = 0;                       // steps between checkpoints (0: only at the end)
+  int keep = 0;                                      // checkpoints kept, the newest (0: all)
+  std::string resume;                                // a step_N directory, a --save directory, or "latest" (--save's)
+  std::optional<std::int64_t> exit_after;            // stop after this step (checkpointed with --save)
+  std::string init_from, export_to;                  // Hugging Face GPT-2 safetensors files
+  bool spike_guard = false, no_spike_guard = false;  // --spike-guard, --no-spike-guard (default: on with --save)
+  train::SpikeGuardConfig spike{};                   // its thresholds (.enabled from spike_guard)
 };
+
+// Whether the loss spike guard runs: --spike-guard / --no-spike-guard, else with --save.
+inline bool guards_spikes(const Options& o) { return o.spike_guard || (!o.no_spike_guard && !o.save.empty()); }
+
+// The spike guard's configuration: the flags' thresholds, enabled or not.
+inline train::SpikeGuardConfig spike_config(const Options& o) {
+  train::SpikeGuardConfig c = o.spike;
+  c.enabled = guards_spikes(o);
+  return c;
+}
+
+// The steps this invocation runs to: --steps, or --exit-after (a run to be resumed).
+inline std::int64_t last_step(const Options& o) { return std::min(o.steps, o.exit_after.value_or(o.steps)); }
+
+// What a checkpoint records of the model, and the flag that sets each field.
+inline nlohmann::json model_record(const models::GPT2Config& c) {
+  return {{"layers", c.layers},   {"heads", c.heads}, {"dim", c.dim},
+          {"max_seq", c.max_seq}, {"vocab", c.vocab}, {"padded_vocab", c.padded_vocab}};
+}
+inline void check_same_model(const nlohmann::json& saved, const models::GPT2Config& c, const std::string& from) {
+  const nlohmann::json ours = model_record(c);
+  const std::pair<const char*, const char*> flags[] = {{"layers", "--layers"}, {"heads", "--heads"},
+                                                       {"dim", "--dim"},       {"max_seq", "--seq"},
+                                                       {"vocab", "--vocab"},   {"padded_vocab", "--vocab"}};
+  for (const auto& [key, flag] : flags) {
+    LLMPAR_CHECK(saved.is_object() && saved.contains(key), from, " does not record the model's ", key);
+    LLMPAR_CHECK(saved[key] == ours[key], from, " was saved from a model with ", key, " ", saved[key].dump(),
+                 " but this run builds ", ours[key].dump(), "; pass ", flag, " ", saved[key].dump(),
+                 " (the checkpoint's model: ", saved.dump(), ")");
+  }
+}
+
+// A checkpoint's layout in the words of the train: line.
+inline std::string describe_layout(const nlohmann::json& l) {
+  const auto get = [&](const char* key) { return l.contains(key) ? l[key].dump() : std::string("?"); };
+  std::string s = "tp " + get("tp") + (l.value("sp", false) ? " sp" : "") + " x pp " + get("pp");
+  if (l.value("virtual_stages", 1) > 1) s += " (v " + get("virtual_stages") + ")";
+  s += " x dp " + get("dp") + ", ZeRO " + get("zero") + ", " + l.value("precision", std::string("?"));
+  return s;
+}
+
+// The checkpoint --resume names, or none: "latest" with nothing saved in --save yet
+// starts the run afresh.
+inline std::optional<std::string> resume_path(const Options& o) {
+  if (o.resume.empty()) return std::nullopt;
+  if (o.resume != "latest") return o.resume;
+  if (!std::filesystem::exists(std::filesystem::path(o.save) / "latest")) return std::nullopt;
+  return o.save;
+}
 
 inline recompute::Mode recompute_mode(const std::string& name) {
   if (name == "full") return recompute::Mode::full;
@@ -138,7 +197,28 @@ inline std::int64_t accumulation_steps(const Options& o, int world_size) {
 inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(o.precision == "fp32" || o.precision == "bf16" || o.precision == "fp16", "--precision ", o.precision,
                " is not one of fp32, bf16, fp16");
-  LLMPAR_CHECK(o.steps > 0, "--steps ", o.steps, "; train for at least 1 step");
+  LLMPAR_CHECK(o.steps > 0 || (o.steps == 0 && !o.export_to.empty()), "--steps ", o.steps,
+               "; train for at least 1 step (--steps 0 only converts: --init-from X --export Y)");
+  LLMPAR_CHECK(o.save_every >= 0, "--save-every ", o.save_every, "; use a number of steps, or 0 for the end only");
+  LLMPAR_CHECK(o.save_every == 0 || !o.save.empty(), "--save-every ", o.save_every,
+               " needs --save DIR (where the checkpoints go)");
+  LLMPAR_CHECK(o.keep >= 0, "--keep ", o.keep, "; keep at least 1 checkpoint, or 0 for all");
+  LLMPAR_CHECK(o.keep == 0 || !o.save.empty(), "--keep ", o.keep, " needs --save DIR");
+  LLMPAR_CHECK(o.resume != "latest" || !o.save.empty(),
+               "--resume latest resumes from the newest checkpoint of --save DIR; give --save (or a path to --resume)");
+  LLMPAR_CHECK(o.resume.empty() || o.init_from.empty(), "--resume and --init-from both set the weights; give one");
+  if (o.exit_after)
+    LLMPAR_CHECK(*o.exit_after >= 1 && *o.exit_after <= o.steps, "--exit-after ", *o.exit_after,
+                 " must be in [1, --steps ", o.steps, "]");
+  if (const auto path = resume_path(o)) static_cast<void>(train::checkpoint::Checkpoint::resolve(*path));
+  if (!o.init_from.empty()) static_cast<void>(safetensors::File::open(o.init_from));
+  if (!o.export_to.empty()) {
+    std::ofstream probe(o.export_to, std::ios::out | std::ios::app);
+    LLMPAR_CHECK(probe.good(), "--export ", o.export_to,
+                 ": cannot open the file for writing; check the directory exists");
+  }
+  LLMPAR_CHECK(!(o.spike_guard && o.no_spike_guard), "--spike-guard and --no-spike-guard contradict; give one");
+  spike_config(o).validate();
   LLMPAR_CHECK(o.batch > 0, "--batch ", o.batch, "; use at least 1 sequence per micro-batch");
   if (o.grad_accum)
     LLMPAR_CHECK(*o.grad_accum > 0, "--grad-accum ", *o.grad_accum, "; use at least 1 micro-batch per step");
@@ -294,6 +374,16 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   const pipeline::Placement placement{
       .stages = o.pp, .chunks = o.virtual_stages, .rank = grid.coords().pp, .partition = partition_of(o, cfg)};
   models::GPT2<T, B> model(cfg, o.seed, tp, placement);
+  // The checkpoint to resume from, or the weights to start from, read and checked now.
+  std::optional<train::checkpoint::Checkpoint> resume;
+  if (const auto path = resume_path(o)) {
+    resume.emplace(train::checkpoint::Checkpoint::open(*path));
+    check_same_model(resume->metadata()["model"], cfg, "checkpoint " + resume->dir());
+  } else if (o.resume == "latest") {
+    say("resume: no checkpoint in %s yet; starting at step 0\n", o.save.c_str());
+  }
+  std::optional<train::checkpoint::Snapshot> initial;
+  if (!o.init_from.empty()) initial.emplace(train::hf::read_gpt2(o.init_from, cfg));
   // The peak in the run's precision (the CPU measures it now, on the model's shapes).
   const Peak peak = o.peak_gflops > 0.0
                         ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
@@ -321,7 +411,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   say("precision: %s\n", precision_summary<typename Policy::precision>().c_str());
   say("MFU peak: %s\n", peak.source.c_str());
 
-  train::MetricsWriter metrics(lead ? o.metrics : std::string());
+  train::MetricsWriter metrics(lead ? o.metrics : std::string(), /*append=*/resume.has_value());
   metrics.write({{"type", "config"},
                  {"model", o.model},
                  {"layers", cfg.layers},
@@ -357,17 +447,47 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"peak_source", peak.source}});
 
   const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
-  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = o.steps};
+  const std::int64_t steps = std::max<std::int64_t>(o.steps, 1);  // --steps 0 converts and trains none
+  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = steps};
   train::Trainer<models::GPT2<T, B>, Policy> trainer(
       ctx, model, opt, schedule, train_loader,
-      {.steps = o.steps,
+      {.steps = steps,
        .grad_accum = accum,
        .peak_gflops = peak.gflops,
        .data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap},
        .schedule = o.pp > 1 ? o.schedule : std::string(),
        .virtual_stages = o.virtual_stages,
-       .recompute = recompute_mode(o.recompute)},
+       .recompute = recompute_mode(o.recompute),
+       .spike_guard = spike_config(o)},
       parallel::Groups::of(grid));
+  if (resume) {
+    trainer.restore(resume->source(), resume->state());
+    say("resume: step %lld from %s (saved at %s)\n", static_cast<long long>(trainer.steps_done()),
+        resume->dir().c_str(), describe_layout(resume->metadata()["layout"]).c_str());
+    metrics.write({{"type", "resume"}, {"step", trainer.steps_done()}, {"from", resume->dir()}});
+    LLMPAR_CHECK(trainer.steps_done() < o.steps || o.steps == 0, "checkpoint ", resume->dir(), " is at step ",
+                 trainer.steps_done(), ", the end of a run of --steps ", o.steps, "; raise --steps to train on");
+  }
+  if (initial) {
+    trainer.load_weights(train::checkpoint::Source::of(*initial));
+    say("init: weights from %s\n", o.init_from.c_str());
+    initial.reset();
+  }
+  if (guards_spikes(o))
+    say("spike guard: a loss above %.2f x the running median or %.1f deviations above the mean of the last %d, or "
+        "not finite, rolls back to an in-memory snapshot (every %d steps) and skips its data\n",
+        o.spike.median_factor, o.spike.z_score, o.spike.window, o.spike.snapshot_every);
+  // Checkpoints: this rank's shard written on a thread while training goes on.
+  std::optional<train::checkpoint::Checkpointer> saver;
+  if (!o.save.empty()) saver.emplace(world, train::checkpoint::CheckpointerConfig{.dir = o.save, .keep = o.keep});
+  std::int64_t saved_step = resume ? trainer.steps_done() : -1;
+  auto save = [&](train::checkpoint::Checkpointer& to) {
+    to.save(trainer.steps_done(), trainer.snapshot(train::SnapshotScope::saved),
+            {{"model", model_record(cfg)},
+             {"layout", trainer.layout()},
+             {"data", {{"seq", seq}, {"micro_batch", o.batch}, {"global_batch", global_batch}, {"seed", o.seed}}}});
+    saved_step = trainer.steps_done();
+  };
   // Bytes per rank, from the buffers: at start (activations are allocated by the first
   // step), and after the first step with them, also in the metrics log.
   auto report_memory = [&](const char* when) {
@@ -393,8 +513,10 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     say("step %5lld | val loss %.4f\n", static_cast<long long>(step), val);
     metrics.write({{"type", "eval"}, {"step", step}, {"val_loss", val}});
   };
-  if (o.eval_every > 0) run_eval(0);
-  trainer.fit([&](const train::StepStats& s) {
+  if (o.eval_every > 0 && !resume) run_eval(0);
+  const std::int64_t last = last_step(o);
+  while (trainer.steps_done() < last) {
+    const train::StepStats s = trainer.step();
     say("%s\n", train::format_step(s, o.steps, Policy::kHasLossScale).c_str());
     if (lead) std::fflush(stdout);
     metrics.write_step(s);
@@ -407,8 +529,44 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
             o.trace.c_str());
       }
     }
+    if (s.rolled_back) continue;
     if (o.eval_every > 0 && (s.step % o.eval_every == 0 || s.step == o.steps)) run_eval(s.step);
-  });
+    if (saver && o.save_every > 0 && s.step % o.save_every == 0) {
+      save(*saver);
+      say("checkpoint: step %lld to %s, written in the background\n", static_cast<long long>(s.step), o.save.c_str());
+    }
+  }
+  if (saver) {
+    if (saved_step != trainer.steps_done()) save(*saver);
+    saver->wait();
+    say("checkpoint: step %lld in %s (this rank's shard %.1f MB in %.2f s)\n",
+        static_cast<long long>(trainer.steps_done()), o.save.c_str(), static_cast<double>(saver->last_bytes()) * 1e-6,
+        saver->last_seconds());
+  }
+  if (trainer.spike_guard() && trainer.spike_guard()->rollbacks() > 0)
+    say("spike guard: %zu rollback%s\n", trainer.spike_guard()->rollbacks(),
+        trainer.spike_guard()->rollbacks() == 1 ? "" : "s");
+  // --export: the model's every tensor on rank 0, through a checkpoint (the last one, or
+  // a temporary one beside the file), written in Hugging Face's names and layout.
+  if (!o.export_to.empty()) {
+    std::string from =
+        o.save.empty()
+            ? std::string()
+            : (std::filesystem::path(o.save) / train::checkpoint::detail::step_name(trainer.steps_done())).string();
+    const std::string parts = o.export_to + ".parts";
+    if (from.empty()) {
+      train::checkpoint::Checkpointer temporary(world, {.dir = parts, .background = false});
+      save(temporary);
+      from = parts;
+    }
+    if (lead) {
+      const auto c = train::checkpoint::Checkpoint::open(from);
+      train::hf::write_gpt2(o.export_to, c.source(), cfg);
+      say("export: %s (Hugging Face GPT-2 names, F32)\n", o.export_to.c_str());
+    }
+    world.barrier();
+    if (lead && o.save.empty()) std::filesystem::remove_all(parts);
+  }
 
   // Every rank samples (the split blocks need their whole tp group); rank 0 prints.
   if (sample_count(o) > 0) {

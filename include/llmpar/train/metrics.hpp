@@ -50,9 +50,10 @@ inline double flops_per_token(std::int64_t num_parameters, std::int64_t layers, 
 class MetricsWriter {
  public:
   MetricsWriter() = default;
-  explicit MetricsWriter(const std::string& path) {
+  // `append`: continue the file (a run resumed from a checkpoint).
+  explicit MetricsWriter(const std::string& path, bool append = false) {
     if (path.empty()) return;
-    out_.open(path, std::ios::out | std::ios::trunc);
+    out_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
     LLMPAR_CHECK(out_.good(), "cannot open metrics file '", path,
                  "' for writing; check the directory exists and is writable");
   }

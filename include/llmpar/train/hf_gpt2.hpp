@@ -1,0 +1,316 @@
+// llmpar/train/hf_gpt2.hpp — GPT-2 weights in Hugging Face's safetensors layout, in and
+// out: start a run from the hub's gpt2 (or any transformers GPT-2), hand a trained model
+// to transformers.
+//
+// What differs from our layout, and nothing else (one table, gpt2_tensors(), says it for
+// both directions, so an import and an export cannot drift apart):
+//  - names: HF's "wte.weight" and "wpe.weight" are our "wte" and "wpe"; a block's names
+//    are ours. GPT2LMHeadModel.save_pretrained prefixes every name with "transformer.".
+//  - every matrix of a block is a Conv1D in transformers, stored (in, out): the
+//    transpose of nn::Linear's (out, in). c_attn's columns are q, then k, then v, like
+//    our rows.
+//  - the token table: HF has the real vocabulary's rows, we pad it to padded_vocab with
+//    zero rows (never looked up, their logits never in the loss).
+//  - the position table: a file's n_positions may exceed our max_seq (the hub's gpt2
+//    has 1024); the first max_seq rows are taken, which is what the model would read at
+//    positions 0 .. max_seq-1. Fewer rows than max_seq is an error.
+//  - transformers' files may hold per-layer buffers (attn.bias, the causal mask, and
+//    attn.masked_bias): not parameters, ignored. GPT2LMHeadModel may also store
+//    lm_head.weight: GPT-2 ties it to wte, so it must equal wte bit for bit; an untied
+//    head has no place in our model and is an error rather than silently dropped.
+//
+// Reading converts F32, F16 and BF16 to f32 and yields a checkpoint::Snapshot of whole
+// tensors (moments zero), so Trainer::load_weights(checkpoint::Source::of(snapshot))
+// fills a model at any layout (tp, pp, ZeRO) the way a checkpoint does. Every check a
+// file can fail (a missing, unknown or misshapen tensor, another vocabulary, width or
+// depth) is an error naming the file, the tensor, both shapes and the flag that would
+// make the model match. The heads cannot be seen in the weights: --heads is unchecked.
+//
+// Writing reads every tensor whole from a checkpoint::Source (a checkpoint directory's,
+// or a one-rank snapshot's: it must hold every element), and stores F32 in HF's names
+// (no prefix) and order, with the metadata {"format": "pt"} that transformers'
+// from_pretrained expects of a safetensors file.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/tensor.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/nn/parameter.hpp"
+#include "llmpar/train/checkpoint.hpp"
+#include "llmpar/train/safetensors.hpp"
+
+namespace llmpar::train::hf {
+
+// How one of our tensors is stored in HF's layout.
+enum class Mapping {
+  same,           // the same shape and values
+  transposed,     // a Conv1D weight: HF (in, out), ours (out, in)
+  vocab_rows,     // wte: HF the first `vocab` rows of our padded_vocab
+  position_rows,  // wpe: HF n_positions >= max_seq rows, of which we hold the first max_seq
+};
+
+// One GPT-2 tensor in both namings.
+struct Gpt2Tensor {
+  std::string ours;    // "h.0.attn.c_attn.weight"
+  std::string theirs;  // HF's name without the "transformer." prefix
+  Shape shape;         // ours, the full tensor
+  Shape hf_shape;      // what write_gpt2 stores (a file's wpe may have more rows)
+  Mapping mapping = Mapping::same;
+};
+
+// Every tensor of GPT-2 under cfg, in HF's order (wte, wpe, h.0 ..., ln_f).
+inline std::vector<Gpt2Tensor> gpt2_tensors(const models::GPT2Config& cfg) {
+  const std::int64_t C = cfg.dim;
+  std::vector<Gpt2Tensor> t;
+  t.push_back({"wte", "wte.weight", Shape{cfg.padded_vocab, C}, Shape{cfg.vocab, C}, Mapping::vocab_rows});
+  t.push_back({"wpe", "wpe.weight", Shape{cfg.max_seq, C}, Shape{cfg.max_seq, C}, Mapping::position_rows});
+  // A block's tensors: (out, in) in multiples of C, in = 0 for a vector. Every matrix
+  // of a GPT-2 block is a Conv1D.
+  struct BlockTensor {
+    const char* suffix;
+    std::int64_t out, in;
+  };
+  static constexpr BlockTensor kBlock[] = {
+      {"ln_1.weight", 1, 0},      {"ln_1.bias", 1, 0},          {"attn.c_attn.weight", 3, 1},
+      {"attn.c_attn.bias", 3, 0}, {"attn.c_proj.weight", 1, 1}, {"attn.c_proj.bias", 1, 0},
+      {"ln_2.weight", 1, 0},      {"ln_2.bias", 1, 0},          {"mlp.c_fc.weight", 4, 1},
+      {"mlp.c_fc.bias", 4, 0},    {"mlp.c_proj.weight", 1, 4},  {"mlp.c_proj.bias", 1, 0},
+  };
+  for (std::int64_t i = 0; i < cfg.layers; ++i)
+    for (const BlockTensor& b : kBlock) {
+      const std::string name = "h." + std::to_string(i) + "." + b.suffix;
+      if (b.in == 0)
+        t.push_back({name, name, Shape{b.out * C}, Shape{b.out * C}, Mapping::same});
+      else
+        t.push_back({name, name, Shape{b.out * C, b.in * C}, Shape{b.in * C, b.out * C}, Mapping::transposed});
+    }
+  for (const char* name : {"ln_f.weight", "ln_f.bias"}) t.push_back({name, name, Shape{C}, Shape{C}, Mapping::same});
+  return t;
+}
+
+namespace detail {
+
+inline constexpr std::string_view kPrefix = "transformer.";
+
+template <class Dims>
+std::string shape_text(const Dims& dims) {
+  std::ostringstream out;
+  out << '(';
+  for (std::size_t i = 0; i < dims.size(); ++i) out << (i ? "," : "") << dims[i];
+  out << ')';
+  return out.str();
+}
+inline std::string shape_text(const Shape& s) {
+  return shape_text(std::vector<std::int64_t>(s.dims.begin(), s.dims.begin() + s.rank));
+}
+
+inline std::vector<std::int64_t> dims_of(const Shape& s) { return {s.dims.begin(), s.dims.begin() + s.rank}; }
+
+// "h.12.attn.bias" -> 12 for a name under h.N. (else nullopt); `rest` gets what follows.
+inline std::optional<std::int64_t> layer_of(std::string_view name, std::string_view* rest = nullptr) {
+  if (name.substr(0, 2) != "h.") return std::nullopt;
+  std::size_t i = 2;
+  std::int64_t layer = 0;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9' && i < 12) layer = layer * 10 + (name[i++] - '0');
+  if (i == 2 || i >= name.size() || name[i] != '.') return std::nullopt;
+  if (rest != nullptr) *rest = name.substr(i + 1);
+  return layer;
+}
+
+// transformers' per-layer buffers: the causal mask and the masked-score constant.
+inline bool is_buffer(std::string_view name) {
+  std::string_view rest;
+  return layer_of(name, &rest) && (rest == "attn.bias" || rest == "attn.masked_bias");
+}
+
+// The flag that makes cfg match a file whose tensor `e` has shape `got`.
+inline std::string fix_for(const Gpt2Tensor& e, const std::vector<std::int64_t>& got, const models::GPT2Config& cfg) {
+  const std::int64_t C = cfg.dim;
+  if (e.mapping == Mapping::vocab_rows && got.size() == 2) {
+    if (got[0] != cfg.vocab) return llmpar::detail::concat("--vocab ", got[0]);
+    return llmpar::detail::concat("--dim ", got[1]);
+  }
+  if (e.mapping == Mapping::position_rows && got.size() == 2) {
+    if (got[1] != C) return llmpar::detail::concat("--dim ", got[1]);
+    return llmpar::detail::concat("--seq ", got[0], " or less");
+  }
+  // A block's or ln_f's tensor: every dimension a multiple of C. The file's C is its first
+  // dimension over that multiple, if the other dimensions agree with it.
+  const std::vector<std::int64_t> want = dims_of(e.hf_shape);
+  if (got.size() == want.size() && !got.empty() && got[0] % (want[0] / C) == 0) {
+    const std::int64_t file_c = got[0] / (want[0] / C);
+    bool agree = true;
+    for (std::size_t d = 0; d < want.size(); ++d) agree = agree && got[d] == want[d] / C * file_c;
+    if (agree) return llmpar::detail::concat("--dim ", file_c);
+  }
+  return "the model's --dim; but this shape is not GPT-2's layout of the tensor (a Conv1D weight is (in, out))";
+}
+
+// dst (cols, rows) = the transpose of src (rows, cols): a Conv1D weight to nn::Linear's
+// layout, and back.
+inline void transpose(const float* src, std::int64_t rows, std::int64_t cols, float* dst) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+// n f32 values from `bytes` of dtype `t` (F32, F16 or BF16).
+inline void to_f32(DType t, const std::vector<std::byte>& bytes, float* out, std::int64_t n) {
+  if (t == DType::f32) {
+    std::memcpy(out, bytes.data(), static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, 2);
+    out[i] = t == DType::bf16 ? llmpar::detail::bf16_bits_to_float(h) : llmpar::detail::f16_bits_to_float(h);
+  }
+}
+
+}  // namespace detail
+
+// The GPT-2 in HF safetensors file `path`, checked against cfg, as whole tensors in our
+// names and layout (wte padded with zero rows to cfg.padded_vocab, wpe cut to
+// cfg.max_seq rows); the moments are zero. Load it with
+// trainer.load_weights(checkpoint::Source::of(snapshot)) — the Source reads the
+// snapshot in place, so keep the snapshot alive while the Source is used.
+inline checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT2Config& cfg) {
+  using detail::shape_text;
+  cfg.validate();
+  const safetensors::File file = safetensors::File::open(path);
+  const std::vector<Gpt2Tensor> table = gpt2_tensors(cfg);
+  std::map<std::string, std::size_t, std::less<>> index;  // HF name -> table entry
+  for (std::size_t k = 0; k < table.size(); ++k) index.emplace(table[k].theirs, k);
+
+  // Every tensor of the file: one we need (at most once), a buffer, the tied head, or
+  // an error. The depth first: a file of another --layers fails with that, not with the
+  // first tensor the model lacks.
+  std::int64_t file_layers = 0;
+  for (const safetensors::TensorInfo& t : file.tensors()) {
+    std::string_view name = t.name;
+    if (name.substr(0, detail::kPrefix.size()) == detail::kPrefix) name.remove_prefix(detail::kPrefix.size());
+    if (const auto layer = detail::layer_of(name)) file_layers = std::max(file_layers, *layer + 1);
+  }
+  LLMPAR_CHECK(file_layers > 0, path, " holds no GPT-2 block (no tensor named h.0.*): not a GPT-2 file");
+  LLMPAR_CHECK(file_layers == cfg.layers, path, " holds ", file_layers, file_layers == 1 ? " block" : " blocks",
+               " (tensors h.0.* to h.", file_layers - 1, ".*) but the model has ", cfg.layers, " layers; use --layers ",
+               file_layers);
+  std::vector<const safetensors::TensorInfo*> found(table.size(), nullptr);
+  const safetensors::TensorInfo* head = nullptr;
+  for (const safetensors::TensorInfo& t : file.tensors()) {
+    std::string_view name = t.name;
+    if (name.substr(0, detail::kPrefix.size()) == detail::kPrefix) name.remove_prefix(detail::kPrefix.size());
+    if (detail::is_buffer(name)) continue;
+    if (name == "lm_head.weight") {
+      head = &t;
+      continue;
+    }
+    const auto it = index.find(name);
+    LLMPAR_CHECK(it != index.end(), path, " holds the tensor '", t.name,
+                 "', which is not part of GPT-2 (a GPT2Model or GPT2LMHeadModel file of transformers); another "
+                 "architecture?");
+    LLMPAR_CHECK(found[it->second] == nullptr, path, " holds GPT-2's '", table[it->second].theirs, "' twice (as '",
+                 found[it->second]->name, "' and '", t.name, "')");
+    found[it->second] = &t;
+  }
+  for (std::size_t k = 0; k < table.size(); ++k)
+    LLMPAR_CHECK(found[k] != nullptr, path, " has no tensor '", table[k].theirs, "' (nor '", detail::kPrefix,
+                 table[k].theirs, "'), which GPT-2 of ", cfg.layers, " layers needs; the file is incomplete");
+
+  // Shapes: the vocabulary and the width first (wte says both), then every tensor.
+  const auto check_shape = [&](std::size_t k) {
+    const Gpt2Tensor& e = table[k];
+    const safetensors::TensorInfo& t = *found[k];
+    const std::vector<std::int64_t> want = detail::dims_of(e.hf_shape);
+    const bool ok = e.mapping == Mapping::position_rows
+                        ? t.shape.size() == 2 && t.shape[0] >= want[0] && t.shape[1] == want[1]
+                        : t.shape == want;
+    LLMPAR_CHECK(ok, path, ": tensor '", t.name, "' has shape ", shape_text(t.shape), " but the model (--vocab ",
+                 cfg.vocab, " --dim ", cfg.dim, " --seq ", cfg.max_seq, ") needs ", shape_text(want),
+                 e.mapping == Mapping::position_rows ? " (or more rows)" : "", "; use ",
+                 detail::fix_for(e, t.shape, cfg));
+    LLMPAR_CHECK(t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16, path, ": tensor '", t.name,
+                 "' is ", safetensors::format_name(t.dtype), "; GPT-2's weights are read from F32, F16 or BF16");
+  };
+  for (std::size_t k = 0; k < table.size(); ++k) check_shape(k);
+
+  checkpoint::Snapshot s;
+  std::int64_t total = 0;
+  for (const Gpt2Tensor& e : table) total += e.shape.numel();
+  s.data[0].assign(static_cast<std::size_t>(total), 0.0f);
+  std::vector<std::byte> bytes;
+  std::vector<float> values;
+  std::int64_t at = 0;
+  for (std::size_t k = 0; k < table.size(); ++k) {
+    const Gpt2Tensor& e = table[k];
+    const safetensors::TensorInfo& t = *found[k];
+    const std::int64_t n = e.hf_shape.numel();  // wpe: its first max_seq rows
+    bytes.resize(static_cast<std::size_t>(n) * size_of(t.dtype));
+    file.read_into(t, 0, bytes.size(), bytes.data());
+    float* out = s.data[0].data() + at;
+    if (e.mapping == Mapping::transposed) {
+      values.resize(static_cast<std::size_t>(n));
+      detail::to_f32(t.dtype, bytes, values.data(), n);
+      detail::transpose(values.data(), e.hf_shape[0], e.hf_shape[1], out);
+    } else {
+      detail::to_f32(t.dtype, bytes, out, n);  // wte: the padding rows after it stay zero
+    }
+    s.pieces.push_back({e.ours, e.shape, nn::Split{}, 0, e.shape.numel()});
+    at += e.shape.numel();
+  }
+  if (head != nullptr) {
+    const safetensors::TensorInfo& wte = *found[0];
+    LLMPAR_CHECK(head->dtype == wte.dtype && head->shape == wte.shape, path, ": lm_head.weight is ",
+                 safetensors::format_name(head->dtype), " ", shape_text(head->shape), " but '", wte.name, "' is ",
+                 safetensors::format_name(wte.dtype), " ", shape_text(wte.shape),
+                 "; GPT-2 ties its head to the token table (an untied head cannot be loaded)");
+    std::vector<std::byte> table_bytes(static_cast<std::size_t>(wte.end - wte.begin));
+    std::vector<std::byte> head_bytes(table_bytes.size());
+    file.read_into(wte, 0, table_bytes.size(), table_bytes.data());
+    file.read_into(*head, 0, head_bytes.size(), head_bytes.data());
+    LLMPAR_CHECK(table_bytes == head_bytes, path, ": lm_head.weight differs from '", wte.name,
+                 "'; GPT-2 ties its head to the token table, and a model with an untied head cannot be loaded");
+  }
+  s.data[1].assign(s.data[0].size(), 0.0f);
+  s.data[2].assign(s.data[0].size(), 0.0f);
+  s.state = {{"source", path}};
+  return s;
+}
+
+// GPT-2 under cfg, read whole from `source` (every element of every tensor), written to
+// `path` as an HF safetensors file (F32, HF's names and order, {"format": "pt"}).
+inline void write_gpt2(const std::string& path, const checkpoint::Source& source, const models::GPT2Config& cfg) {
+  cfg.validate();
+  const std::vector<Gpt2Tensor> table = gpt2_tensors(cfg);
+  std::vector<std::vector<float>> data(table.size());
+  std::vector<float> ours;
+  std::vector<safetensors::TensorRef> refs;
+  for (std::size_t k = 0; k < table.size(); ++k) {
+    const Gpt2Tensor& e = table[k];
+    ours.resize(static_cast<std::size_t>(e.shape.numel()));
+    source.fill(checkpoint::Kind::param, e.ours, e.shape, nn::Split{}, 0, e.shape.numel(), ours.data());
+    std::vector<float>& out = data[k];
+    out.resize(static_cast<std::size_t>(e.hf_shape.numel()));
+    if (e.mapping == Mapping::transposed) {
+      detail::transpose(ours.data(), e.shape[0], e.shape[1], out.data());
+    } else {
+      std::copy(ours.begin(), ours.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());  // wte: unpadded
+    }
+    refs.push_back({e.theirs, DType::f32, detail::dims_of(e.hf_shape), out.data()});
+  }
+  safetensors::write(path, refs, {{"format", "pt"}});
+}
+
+}  // namespace llmpar::train::hf
