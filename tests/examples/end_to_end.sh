@@ -28,6 +28,13 @@
 #                 ZeRO 1 on 4 ranks, train as one rank does with the same micro-batches:
 #                 the same losses step by step; --trace writes a Chrome trace of every
 #                 rank's actions; bad pipeline flags are named before the first step
+#   checkpoint    a run stopped after step 6 (--exit-after) and resumed (--resume latest)
+#                 logs the uninterrupted run's losses bit for bit; its step-6 checkpoint
+#                 resumes at tp 2 x dp 1, at dp 2 with ZeRO 2 and at pp 2 x dp 2 with
+#                 ZeRO 1 within 1e-5; --keep keeps the newest; --export and --init-from
+#                 round-trip the weights (the same bytes, the same validation loss); a
+#                 loss spike guard set too tight rolls back, logs it, and stops after
+#                 --spike-max-rollbacks; bad checkpoints and flags are named
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
@@ -260,6 +267,67 @@ assert len(work) == 2 * 2 * 4, len(work)  # 2 ranks x (F + B) x 4 micro-batches
 assert any(e["name"] == "wait" for e in slices), "no wait slices"
 print("trace: %d slices on ranks %s" % (len(slices), sorted(ranks)))
 PY
+    ;;
+  checkpoint)
+    common=(--steps 12 --warmup 4 --eval-every 0 --sample-tokens 0 --peak-gflops 50)
+    losses() { grep '"type":"step"' "$1" | grep -o '"loss":[^,}]*' | cut -d: -f2; }
+    "$bin/train_gpt" "${common[@]}" --batch 8 --save whole --save-every 6 --metrics whole.jsonl | tee whole.txt
+    [[ "$(cat whole/latest)" == step_00000012 && -f whole/step_00000006/metadata.json ]] ||
+      fail "the run did not checkpoint steps 6 and 12"
+    grep -q 'spike guard: a loss above' whole.txt || fail "--save did not turn the spike guard on"
+    "$bin/train_gpt" "${common[@]}" --batch 8 --save part --exit-after 6 --metrics part.jsonl | tee part1.txt
+    grep -q 'step     7/12' part1.txt && fail "--exit-after 6 trained on"
+    "$bin/train_gpt" "${common[@]}" --batch 8 --save part --resume latest --metrics part.jsonl | tee part2.txt
+    grep -q 'resume: step 6 from part/step_00000006 (saved at tp 1 x pp 1 x dp 1, ZeRO 0, precision::FP32)' part2.txt ||
+      fail "the resumed run did not say where from"
+    grep -q '"type":"resume"' part.jsonl || fail "part.jsonl lacks the resume record"
+    diff <(losses whole.jsonl) <(losses part.jsonl) || fail "the resumed run's losses are not the uninterrupted run's"
+    reshard() {  # reshard NAME FLAGS...: steps 7-12 from whole's step 6 at another layout
+      local name="$1"
+      shift
+      "$bin/train_gpt" "${common[@]}" --resume whole/step_00000006 --metrics "$name.jsonl" "$@" | tee "$name.txt"
+      paste <(losses whole.jsonl | tail -6) <(losses "$name.jsonl") | awk -v name="$name" '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-5 * $1) { print "step " NR + 6 ": loss " $1 " (whole) vs " $2 " (" name ")"; bad = 1 }
+        } END { exit bad || NR != 6 }' || fail "$name did not continue the run"
+    }
+    reshard tp2 --ranks 2 --tp 2 --batch 8
+    reshard zero2 --ranks 2 --batch 4 --zero 2
+    reshard pp2 --ranks 4 --pp 2 --batch 4 --zero 1
+    "$bin/train_gpt" --steps 8 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --save kept --save-every 2 --keep 2 >/dev/null
+    [[ "$(ls kept)" == "$(printf 'latest\nstep_00000006\nstep_00000008')" ]] || fail "--keep 2 kept $(ls kept | xargs)"
+    # Hugging Face weights: export, import and export again are the same bytes; the
+    # imported model's validation loss is the exported one's.
+    "$bin/train_gpt" --steps 12 --peak-gflops 50 --sample-tokens 0 --eval-every 12 --eval-batches 4 --export model.safetensors | tee export.txt
+    "$bin/train_gpt" --steps 0 --eval-every 1 --eval-batches 4 --sample-tokens 0 --init-from model.safetensors \
+      --export again.safetensors | tee import.txt
+    cmp model.safetensors again.safetensors || fail "export -> import -> export changed the file"
+    [[ "$(grep 'val loss' export.txt | tail -1 | awk '{print $NF}')" == "$(grep 'val loss' import.txt | awk '{print $NF}')" ]] ||
+      fail "the imported model's validation loss differs"
+    # A guard set far too tight: rollbacks, each logged, then the limit.
+    expect_error 'rollbacks within 1000 steps' "$bin/train_gpt" --steps 60 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --batch 8 --spike-guard \
+      --spike-factor 1.05 --spike-min-history 3 --spike-window 5 --spike-snapshot-every 2 --spike-max-rollbacks 3 \
+      --metrics spike.jsonl
+    [[ $(grep -c '"type":"rollback"' spike.jsonl) == 3 ]] || fail "spike.jsonl lacks the 3 rollback records"
+    # Bad checkpoints and flags.
+    expect_error 'was saved from a model with dim 128 but this run builds 64; pass --dim 128' \
+      "$bin/train_gpt" "${common[@]}" --batch 8 --dim 64 --resume whole
+    expect_error 'the data order was shuffled with seed 1337' "$bin/train_gpt" "${common[@]}" --batch 8 --seed 7 --resume whole
+    expect_error 'with the same dp x batch size x sequence length' "$bin/train_gpt" "${common[@]}" --batch 4 \
+      --resume whole
+    cp -r whole broken
+    truncate -s 1000 broken/step_00000012/rank_00000.safetensors
+    expect_error 'shard rank_00000.safetensors holds 1000 bytes but metadata.json says' \
+      "$bin/train_gpt" "${common[@]}" --batch 8 --resume broken
+    expect_error 'is at step 12, the end of a run of --steps 12' "$bin/train_gpt" "${common[@]}" --batch 8 --resume whole
+    expect_error '--resume latest resumes from the newest checkpoint of --save DIR' \
+      "$bin/train_gpt" "${common[@]}" --resume latest
+    expect_error '--spike-factor 0.5' "$bin/train_gpt" "${common[@]}" --spike-guard --spike-factor 0.5
+    expect_error '--exit-after 13 must be in [1, --steps 12]' "$bin/train_gpt" "${common[@]}" --exit-after 13
+    expect_error '--steps 0 only converts' "$bin/train_gpt" --steps 0
+    expect_error '--resume and --init-from both set the weights' "$bin/train_gpt" "${common[@]}" \
+      --resume whole --init-from model.safetensors
+    echo "checkpoint: OK"
     ;;
   cuda)
     base=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle)

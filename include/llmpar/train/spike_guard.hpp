@@ -9,8 +9,9 @@
 // starts after `min_history` losses.
 //
 // What to do about one is the trainer's (train/trainer.hpp): it does not apply the
-// step, rolls back to its last snapshot (step c), skips the data of steps c+1 .. s (the
-// spike's included) and `skip_batches` more, as PaLM does, and continues. After
+// step, rolls back to its last snapshot (step c), does not read again the data it read
+// since (steps c+1 .. s, the spike's included), skips `skip_batches` steps' worth more,
+// as PaLM does, and continues. After
 // `max_rollbacks` rollbacks within `rollback_window` steps the run is unstable, not
 // unlucky, and stops with an error that says so.
 #pragma once

@@ -449,16 +449,20 @@ class Trainer {
     snapshot_step_ = step_;
   }
 
-  // A spike at step step_ + 1: nothing applied; back to the snapshot (step c), the data
-  // of steps c+1 .. step_ + 1 and skip_batches more skipped.
+  // A spike at step step_ + 1: nothing applied; back to the snapshot (step c). The data
+  // read since the snapshot (steps c+1 .. step_ + 1; after an earlier rollback to the same
+  // snapshot, what the run read since that one) is not read again, and skip_batches
+  // steps' worth more is skipped.
   StepStats roll_back(const Spike& spike, double loss, double norm, std::chrono::steady_clock::time_point t0) {
     const std::int64_t at = step_ + 1, to = snapshot_step_;
     guard_->rolled_back(at, to, spike);  // throws after too many
     const std::vector<std::int64_t> counted = guard_->rollback_steps();
+    const data::LoaderState position = train_.state();
     restore(checkpoint::Source::of(last_good_), last_good_.state);
     guard_->restore(guard_->history(), counted);
+    train_.restore(position);
+    skip_batches(cfg_.spike_guard.skip_batches);
     const std::int64_t skip = (at - to) + cfg_.spike_guard.skip_batches;
-    skip_batches(skip);
     snapshot_step_ = to;  // the snapshot is still the last good state
     StepStats s;
     s.step = at;
