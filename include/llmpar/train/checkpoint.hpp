@@ -527,8 +527,10 @@ struct CheckpointerConfig {
 // Saves checkpoints: every rank its shard, rank 0 the metadata and the commit.
 class Checkpointer {
  public:
-  // Every rank of `world` constructs one together (it agrees on a run id).
-  Checkpointer(comm::Comm& world, CheckpointerConfig cfg) : cfg_(std::move(cfg)), rank_(world.rank()) {
+  // Every rank of `world` (a comm::Comm, or one engine's communicator) constructs one
+  // together: they agree on a run id.
+  template <class World>
+  Checkpointer(World& world, CheckpointerConfig cfg) : cfg_(std::move(cfg)), rank_(world.rank()) {
     namespace fs = std::filesystem;
     LLMPAR_CHECK(!cfg_.dir.empty(), "checkpoint: no directory to save into");
     LLMPAR_CHECK(cfg_.keep >= 0, "--keep ", cfg_.keep, "; keep at least 1 checkpoint, or 0 for all");

@@ -113,7 +113,7 @@ struct Fd {
 inline void write_all(int fd, const void* data, std::size_t n, const std::string& path) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30));
+    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{8} << 20));
     if (w < 0 && errno == EINTR) continue;
     LLMPAR_CHECK(w > 0, "safetensors: writing ", path, " failed (", std::strerror(errno), "; disk full?)");
     p += w;

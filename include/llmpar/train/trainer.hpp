@@ -280,15 +280,22 @@ class Trainer {
   // This rank's parameters (f32 master values) and AdamW moments, copied to host memory,
   // and the trainer's state. Between steps; every rank calls it (no communication).
   checkpoint::Snapshot snapshot(SnapshotScope scope) {
+    checkpoint::Snapshot s;
+    snapshot(scope, s);
+    return s;
+  }
+  // The same into `s`, reusing its memory (a snapshot taken again and again: no page
+  // faults after the first).
+  void snapshot(SnapshotScope scope, checkpoint::Snapshot& s) {
     static_assert(std::is_same_v<Grad, float>,
                   "llmpar::train::Trainer: checkpoints store f32 master weights and "
                   "moments; train in fp32, bf16 or fp16");
     Backend::synchronize(ctx_);
     const auto pieces = scope == SnapshotScope::saved ? sync_.saved_state() : sync_.held_state();
-    checkpoint::Snapshot s;
     std::int64_t total = 0;
     for (const auto& p : pieces) total += p.n;
     for (auto& d : s.data) d.resize(static_cast<std::size_t>(total));
+    s.pieces.clear();
     std::int64_t at = 0;
     for (const auto& p : pieces) {
       s.pieces.push_back({p.param->name, p.param->shape, p.param->split, p.first, p.n});
@@ -302,7 +309,6 @@ class Trainer {
       at += p.n;
     }
     s.state = state();
-    return s;
   }
 
   // Continues the run a checkpoint (or snapshot) stopped: every value and moment this
@@ -445,7 +451,7 @@ class Trainer {
 
   // The guard's snapshot: everything this rank holds, to roll back to.
   void take_snapshot() {
-    last_good_ = snapshot(SnapshotScope::held);
+    snapshot(SnapshotScope::held, last_good_);
     snapshot_step_ = step_;
   }
 
