@@ -482,7 +482,9 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   if (!o.save.empty()) saver.emplace(world, train::checkpoint::CheckpointerConfig{.dir = o.save, .keep = o.keep});
   std::int64_t saved_step = resume ? trainer.steps_done() : -1;
   auto save = [&](train::checkpoint::Checkpointer& to) {
-    to.save(trainer.steps_done(), trainer.snapshot(train::SnapshotScope::saved),
+    train::checkpoint::Snapshot snap = to.reuse();
+    trainer.snapshot(train::SnapshotScope::saved, snap);
+    to.save(trainer.steps_done(), std::move(snap),
             {{"model", model_record(cfg)},
              {"layout", trainer.layout()},
              {"data", {{"seq", seq}, {"micro_batch", o.batch}, {"global_batch", global_batch}, {"seed", o.seed}}}});

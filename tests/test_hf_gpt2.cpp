@@ -112,12 +112,12 @@ void check_tiny(const ck::Snapshot& snap, const HfFile& f) {
     CHECK(p.first == 0);
     CHECK(p.n == p.shape.numel());
   }
-  for (int k = 1; k < 3; ++k) {
-    CHECK(snap.data[static_cast<std::size_t>(k)].size() == snap.data[0].size());
-    CHECK(std::all_of(snap.data[static_cast<std::size_t>(k)].begin(), snap.data[static_cast<std::size_t>(k)].end(),
-                      [](float v) { return v == 0.0f; }));
-  }
+  // Weights only: no moments, and a Source of it says so when asked for them.
+  for (int k = 1; k < 3; ++k) CHECK(snap.data[static_cast<std::size_t>(k)].empty());
   const ck::Source s = ck::Source::of(snap);
+  std::vector<float> scratch(4);
+  CHECK_THROWS_WITH_AS(s.fill(ck::Kind::exp_avg, "ln_f.weight", Shape{4}, {}, 0, 4, scratch.data()),
+                       doctest::Contains("holds no exp_avg (weights only); load it with Trainer::load_weights"), Error);
   // c_attn: HF (in 4, out 12), element [1][7] -> ours (out 12, in 4) at [7][1].
   const std::vector<float> qkv = whole(s, "h.0.attn.c_attn.weight", Shape{12, 4});
   const HfTensor& hf_qkv = f.at("h.0.attn.c_attn.weight");

@@ -97,7 +97,8 @@ struct Piece {
 };
 
 // One rank's state in host memory: its pieces and, per kind, their f32 values piece
-// after piece; plus the trainer's state (step, data position, loss scaler, ...).
+// after piece (a weights-only snapshot leaves the moments empty); plus the trainer's
+// state (step, data position, loss scaler, ...).
 struct Snapshot {
   std::vector<Piece> pieces;
   std::array<std::vector<float>, 3> data;
@@ -290,7 +291,10 @@ class Source {
     }
     return Source("the in-memory snapshot", s.pieces,
                   [&s, offsets](Kind kind, std::size_t k, std::int64_t first, std::int64_t n, float* out) {
-                    const float* src = s.data[static_cast<std::size_t>(kind)].data() + offsets[k] + first;
+                    const auto& data = s.data[static_cast<std::size_t>(kind)];
+                    LLMPAR_CHECK(data.size() == s.data[0].size(), "the in-memory snapshot holds no ", kind_name(kind),
+                                 " (weights only); load it with Trainer::load_weights");
+                    const float* src = data.data() + offsets[k] + first;
                     std::copy(src, src + n, out);
                   });
   }
@@ -569,12 +573,19 @@ class Checkpointer {
       } catch (...) {
         error_ = std::current_exception();
       }
+      spare_ = std::move(snap);
     };
     if (cfg_.background)
       writer_ = std::thread(std::move(job));
     else
       job();
     if (!cfg_.background) rethrow();
+  }
+  // The memory of the last snapshot written, for the next one (Trainer::snapshot into
+  // it: no page faults); waits for the save in flight.
+  Snapshot reuse() {
+    wait();
+    return std::move(spare_);
   }
   // The save in flight is done (and, on rank 0, committed); its error, if any, is thrown.
   void wait() {
@@ -664,6 +675,7 @@ class Checkpointer {
   std::string run_;
   std::thread writer_;
   std::exception_ptr error_;
+  Snapshot spare_;  // the last snapshot written (reuse())
   double last_seconds_ = 0.0;
   std::uint64_t last_bytes_ = 0;
 };

@@ -183,7 +183,7 @@ inline void to_f32(DType t, const std::vector<std::byte>& bytes, float* out, std
 
 // The GPT-2 in HF safetensors file `path`, checked against cfg, as whole tensors in our
 // names and layout (wte padded with zero rows to cfg.padded_vocab, wpe cut to
-// cfg.max_seq rows); the moments are zero. Load it with
+// cfg.max_seq rows), without moments. Load it with
 // trainer.load_weights(checkpoint::Source::of(snapshot)) — the Source reads the
 // snapshot in place, so keep the snapshot alive while the Source is used.
 inline checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT2Config& cfg) {
@@ -283,9 +283,7 @@ inline checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT
     LLMPAR_CHECK(table_bytes == head_bytes, path, ": lm_head.weight differs from '", wte.name,
                  "'; GPT-2 ties its head to the token table, and a model with an untied head cannot be loaded");
   }
-  s.data[1].assign(s.data[0].size(), 0.0f);
-  s.data[2].assign(s.data[0].size(), 0.0f);
-  s.state = {{"source", path}};
+  s.state = {{"source", path}};  // the moments stay empty: weights only
   return s;
 }
 
