@@ -25,6 +25,8 @@ using namespace llmpar;
 struct Options {
   std::string model = "gpt2-tiny";
   std::optional<std::int64_t> layers, heads, dim, seq, vocab;
+  bool mup = false;                          // µP (models::GPT2Config::mup)
+  std::optional<std::int64_t> mup_base_dim;  // its base width (default 128)
   std::string data, val_data;
   std::int64_t steps = 600;
   std::int64_t batch = 16;                   // sequences per micro-batch and rank (--batch, --micro-batch)
@@ -83,8 +85,10 @@ inline std::int64_t last_step(const Options& o) { return std::min(o.steps, o.exi
 
 // What a checkpoint records of the model, and the flag that sets each field.
 inline nlohmann::json model_record(const models::GPT2Config& c) {
-  return {{"layers", c.layers},   {"heads", c.heads}, {"dim", c.dim},
-          {"max_seq", c.max_seq}, {"vocab", c.vocab}, {"padded_vocab", c.padded_vocab}};
+  return {{"layers", c.layers}, {"heads", c.heads},
+          {"dim", c.dim},       {"max_seq", c.max_seq},
+          {"vocab", c.vocab},   {"padded_vocab", c.padded_vocab},
+          {"mup", c.mup},       {"mup_base_dim", c.mup_base_dim}};
 }
 inline void check_same_model(const nlohmann::json& saved, const models::GPT2Config& c, const std::string& from) {
   const nlohmann::json ours = model_record(c);
@@ -97,6 +101,18 @@ inline void check_same_model(const nlohmann::json& saved, const models::GPT2Conf
                  " but this run builds ", ours[key].dump(), "; pass ", flag, " ", saved[key].dump(),
                  " (the checkpoint's model: ", saved.dump(), ")");
   }
+  // µP: a checkpoint that does not record it predates it, and is of a standard model.
+  const bool saved_mup = saved.contains("mup") && saved["mup"] == true;
+  const std::string base = saved.contains("mup_base_dim") ? saved["mup_base_dim"].dump() : std::string("128");
+  LLMPAR_CHECK(saved_mup == c.mup, from, " was saved from ",
+               saved_mup ? "a µP model (--mup --mup-base-dim " + base +
+                               ") but this run builds a standard one; pass --mup --mup-base-dim " + base
+                         : std::string("a standard model but this run builds a µP one; drop --mup"),
+               " (the checkpoint's model: ", saved.dump(), ")");
+  if (c.mup)
+    LLMPAR_CHECK(saved.contains("mup_base_dim") && saved["mup_base_dim"] == ours["mup_base_dim"], from,
+                 " was saved from a µP model of base width ", base, " but this run builds one of ", c.mup_base_dim,
+                 "; pass --mup-base-dim ", base);
 }
 
 // A checkpoint's layout in the words of the train: line.
@@ -172,6 +188,8 @@ inline models::GPT2Config model_config(const Options& o) {
   if (o.layers) cfg.layers = *o.layers;
   if (o.heads) cfg.heads = *o.heads;
   if (o.dim) cfg.dim = *o.dim;
+  cfg.mup = o.mup;
+  if (o.mup_base_dim) cfg.mup_base_dim = *o.mup_base_dim;
   if (o.vocab) {
     cfg.vocab = *o.vocab;
     cfg.padded_vocab = models::GPT2Config::pad_vocab(*o.vocab);
@@ -278,8 +296,14 @@ inline void validate(const Options& o, int world_size) {
                  " contradicts --global-batch ", *o.global_batch, " / (--micro-batch ", o.batch, " x dp ", dp,
                  ") = ", *o.global_batch / per_step, "; give one of the two");
   }
+  LLMPAR_CHECK(!o.mup_base_dim || o.mup, "--mup-base-dim ", o.mup_base_dim.value_or(0),
+               " sets µP's base width; it needs --mup");
   const models::GPT2Config cfg = model_config(o);
   cfg.validate();
+  if (!o.init_from.empty())
+    train::hf::check_standard_logits(cfg, "--init-from: Hugging Face GPT-2 weights cannot be read into");
+  if (!o.export_to.empty())
+    train::hf::check_standard_logits(cfg, "--export: Hugging Face GPT-2 weights cannot be written from");
   const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
   LLMPAR_CHECK(seq > 0, "--seq ", seq, "; the sequence length must be positive");
   LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
@@ -388,10 +412,14 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   const Peak peak = o.peak_gflops > 0.0
                         ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
                         : find_peak(dtype_of<T>(), cfg, o.batch * seq, o.tp);
-  say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters\n", o.model.c_str(),
+  char mup[96] = "";
+  if (cfg.mup)
+    std::snprintf(mup, sizeof mup, ", µP base width %lld (width multiplier %g)",
+                  static_cast<long long>(cfg.mup_base_dim), cfg.width_mult());
+  say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters%s\n", o.model.c_str(),
       static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
       static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
-      static_cast<double>(model.num_parameters()) * 1e-6);
+      static_cast<double>(model.num_parameters()) * 1e-6, mup);
   const std::int64_t accum = accumulation_steps(o, world.size());
   const std::int64_t global_batch = o.batch * grid.dp().size() * accum;
   const std::string pp = o.pp > 1 ? " x pp " + std::to_string(o.pp) : std::string();
@@ -420,6 +448,8 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"seq", seq},
                  {"vocab", cfg.vocab},
                  {"padded_vocab", cfg.padded_vocab},
+                 {"mup", cfg.mup},
+                 {"mup_base_dim", cfg.mup_base_dim},
                  {"parameters", model.num_parameters()},
                  {"ranks", world.size()},
                  {"tp", o.tp},

@@ -62,6 +62,9 @@ struct AdamWTensor {
   float* v;        // (n) second moment (zero before the first step)
   std::int64_t n;  // elements; 0 is allowed (the tensor is skipped)
   bool decay;      // apply weight decay (matrices, embeddings) or not (biases, gains)
+  // This tensor's step runs at hp.lr x lr_scale, decay included (optim::Segment's
+  // lr_scale: µP's hidden matrices); the product is the CPU optimizer's, in float.
+  float lr_scale = 1.0f;
 };
 
 namespace detail::adamw {
@@ -169,6 +172,7 @@ __global__ void __launch_bounds__(kAdamWThreads)
   const AdamWTensor<G, P> t = tensors[chunk.tensor];
   math::AdamWParams local = hp;
   if (!t.decay) local.weight_decay = 0.0f;
+  local.lr = hp.lr * t.lr_scale;
   const float scale = grad_scale;
   float* master = t.master + chunk.begin;  // (chunk.count)
   float* m = t.m + chunk.begin;            // (chunk.count)
@@ -276,9 +280,9 @@ class AdamWPlan {
     LLMPAR_CHECK_LAUNCH("adamw_norm_final_kernel");
   }
 
-  // One AdamW step of every tensor at hp.lr (already scheduled); weight decay applies
-  // where Tensor::decay. norm_sq: grad_norm_squared's result (device); the norm is
-  // sqrt(*norm_sq) * inv_loss_scale; max_norm = 0 disables clipping. A non-finite norm
+  // One AdamW step of every tensor at hp.lr (already scheduled) x Tensor::lr_scale;
+  // weight decay applies where Tensor::decay. norm_sq: grad_norm_squared's result
+  // (device); the norm is sqrt(*norm_sq) * inv_loss_scale; max_norm = 0 disables clipping. A non-finite norm
   // sets *found_inf = 1 (device int) and changes nothing. step counts from 1.
   void step(cudaStream_t stream, const math::AdamWParams& hp, int step, const float* norm_sq, float inv_loss_scale,
             float max_norm, int* found_inf) const {

@@ -1,17 +1,17 @@
-// llmpar/kernels/elementwise.cuh — GELU, residual adds, bias add and bias gradient,
-// the token + position embedding (forward and backward) and dtype conversion.
+// llmpar/kernels/elementwise.cuh — GELU, residual adds, scaling, bias add and bias
+// gradient, the token + position embedding (forward and backward) and dtype conversion.
 //
 // The CUDA twins of backend/cpu/gelu.hpp, elementwise.hpp, bias.hpp and embedding.hpp.
 // Each element is computed as the CPU kernel computes it: load to float, the shared math
 // (math::gelu_tanh, math::gelu_tanh_grad), one rounding to the storage type through the
-// same conversion functions. So add, add_inplace, bias_add, encoder_forward and convert
-// give the CPU's bits exactly; GELU differs only by the device's expf and FMA
-// contraction (an ulp or so).
+// same conversion functions. So add, add_inplace, scale_inplace, bias_add,
+// encoder_forward and convert give the CPU's bits exactly; GELU differs only by the
+// device's expf and FMA contraction (an ulp or so).
 //
-// Streams (gelu, add, convert, bias_add, encoder_forward) are memory-bound. They run a
-// grid-stride loop over 16-byte packs when every pointer they touch is 16-byte aligned
-// (and, for the row-wise ones, rows are whole packs), with a scalar loop for the tail;
-// otherwise a scalar grid-stride loop. The grid is capped (kMaxBlocks): past a few
+// Streams (gelu, add, scale, convert, bias_add, encoder_forward) are memory-bound. They
+// run a grid-stride loop over 16-byte packs when every pointer they touch is 16-byte
+// aligned (and, for the row-wise ones, rows are whole packs), with a scalar loop for the
+// tail; otherwise a scalar grid-stride loop. The grid is capped (kMaxBlocks): past a few
 // waves more blocks only add scheduling, and the cap keeps the launcher free of device
 // queries.
 //
@@ -101,6 +101,11 @@ struct GeluBackwardOp {  // (x, dout) -> dx
 template <class T>
 struct AddOp {
   LLMPAR_HOST_DEVICE T operator()(T a, T b) const { return store<T>(load(a) + load(b)); }
+};
+template <class T>
+struct ScaleOp {
+  float s;
+  LLMPAR_HOST_DEVICE T operator()(T a) const { return store<T>(load(a) * s); }
 };
 template <class To, class From>
 struct ConvertOp {
@@ -399,6 +404,16 @@ void add_inplace(cudaStream_t stream, T* a, const T* b, std::int64_t n) {
   detail::ew::check_pointer("add_inplace", "b", b);
   detail::ew::check_same_or_disjoint("add_inplace", "a", a, "b", b, n * sizeof(T));
   detail::ew::launch_map<T, T, 2>(stream, "add_inplace", a, a, b, n, detail::ew::AddOp<T>{});
+}
+
+// a[i] *= s (µP's output multiplier on the LM head's input and its gradient). a: (n).
+template <Storage T>
+void scale_inplace(cudaStream_t stream, T* a, float s, std::int64_t n) {
+  detail::ew::check_count("scale_inplace", n);
+  if (n == 0) return;
+  detail::ew::check_pointer("scale_inplace", "a", a);
+  detail::ew::launch_map<T, T, 1>(stream, "scale_inplace", a, a, static_cast<const T*>(nullptr), n,
+                                  detail::ew::ScaleOp<T>{s});
 }
 
 // out[i] = To(in[i]) (master weights, mixed precision). out, in: (n); they may be the

@@ -79,6 +79,8 @@ struct Layout {
   std::string save_dir{};
   int save_step = 0;
   bool background_save = false;
+  // The model, when not config(layers) (a µP model, say); its layers must be `layers`.
+  std::optional<models::GPT2Config> model{};
 };
 
 // Writes elements [first, first + n) of p's local tensor (values or gradients) into
@@ -103,7 +105,9 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
                                       .chunks = layout.chunks,
                                       .rank = grid.coords().pp,
                                       .partition = pipeline::even_partition(layout.layers, layout.pp, layout.chunks)};
-  Model model(config(layout.layers), 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()), placement);
+  const models::GPT2Config cfg = layout.model.value_or(config(layout.layers));
+  REQUIRE(cfg.layers == layout.layers);
+  Model model(cfg, 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()), placement);
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
   data::DataLoader loader(
@@ -122,7 +126,7 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
   // Every parameter by its place in the serial model (a pipeline rank holds some).
   std::vector<std::string> names;
   {
-    Model whole(config(layout.layers), 99);
+    Model whole(cfg, 99);
     for (const nn::Parameter<T>* p : whole.parameter_store().parameters()) names.push_back(p->name);
   }
   const nn::Parameter<T>* copy = model.tied_copy();

@@ -3,9 +3,10 @@
 // them), the losses and the parameters after five steps equal the serial run's with the
 // global batch, within 1e-5 relative in fp32, for dp in {2, 3, 4} x stage {0, 1, 2, 3},
 // with and without gradient accumulation, and with tp = 2 (tp 2 x dp 4 on 8 ranks, with
-// and without sequence parallelism); bf16 against the serial bf16 run. The model-state
-// bytes per rank match the ZeRO paper's figures; the event trace shows buckets reduced
-// while backward still runs; bad settings are named.
+// and without sequence parallelism); bf16 against the serial bf16 run; a µP model under
+// ZeRO 1 and 2 against its serial run. The model-state bytes per rank match the ZeRO
+// paper's figures; the event trace shows buckets reduced while backward still runs; bad
+// settings are named.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -161,6 +162,17 @@ TEST_CASE("buckets are issued while backward is still running (overlap), in back
     CHECK(in_order);
     CHECK(previous_bucket == trainer.sync().num_buckets() - 1);
   });
+}
+
+TEST_CASE("µP under ZeRO 1 and 2 over dp 2, and tp 2 x dp 2, equals the serial µP run") {
+  // ZeRO's optimizer shards carry each parameter's lr scale (a hidden matrix's pieces at
+  // lr / 2 in every bucket they fall in); the output multiplier runs on each rank's rows.
+  models::GPT2Config mup = dp_test::config();
+  mup.mup = true;
+  mup.mup_base_dim = 16;
+  check_against_serial<1>(2, 1, {.model = mup}, 1e-5);
+  check_against_serial<2>(2, 1, {.accum = 2, .model = mup}, 1e-5);
+  check_against_serial<1, precision::FP32, SequenceParallel::on>(4, 2, {.model = mup}, 1e-5);
 }
 
 TEST_CASE("a bucket size of zero or less is named") {

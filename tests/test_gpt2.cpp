@@ -1,8 +1,13 @@
 // GPT-2 model: whole-model gradients against finite differences in double precision,
-// float against double, parameter bookkeeping, the optimizer, and bad configurations.
+// float against double, parameter bookkeeping, the optimizer, bad configurations, and
+// µP (GPT2Config::mup): the standard model at the base width, its init and lr scales,
+// its output multiplier's gradient and forward, and its optimizer step.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "llmpar/backend/cpu/backend.hpp"
@@ -188,4 +193,196 @@ TEST_CASE("the model learns to copy: attention carries tokens across positions")
   const double first_half_only = std::log(16.0) * 15.0 / 31.0;  // 15 unpredictable targets of 31
   MESSAGE("copy-task loss ", loss, "; a perfect copier scores ", first_half_only);
   CHECK(loss < first_half_only + 0.1);
+}
+
+// ---- µP (GPT2Config::mup)
+
+namespace {
+
+models::GPT2Config mup_config(std::int64_t dim, std::int64_t base) {
+  models::GPT2Config cfg = small_config();
+  cfg.dim = dim;
+  cfg.mup = true;
+  cfg.mup_base_dim = base;
+  return cfg;
+}
+
+bool is_hidden_matrix(const std::string& name) {
+  for (const char* suffix : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"})
+    if (name.size() > std::strlen(suffix) && name.ends_with(suffix)) return true;
+  return false;
+}
+
+template <class T>
+double rms(const nn::Parameter<T>& p) {
+  double s = 0.0;
+  for (std::int64_t i = 0; i < p.numel(); ++i) s += static_cast<double>(p.value[i]) * static_cast<double>(p.value[i]);
+  return std::sqrt(s / static_cast<double>(p.numel()));
+}
+
+}  // namespace
+
+TEST_CASE("µP at its base width is the standard model bit for bit: weights, lr scales, loss, gradients, a step") {
+  backend::cpu::Context ctx;
+  const models::GPT2Config standard = small_config();
+  const models::GPT2Config mup = mup_config(standard.dim, standard.dim);
+  models::GPT2<float> a(standard, 7);
+  models::GPT2<float> b(mup, 7);
+  CHECK(b.output_multiplier() == 1.0f);
+  const auto& sa = a.parameter_store();
+  const auto& sb = b.parameter_store();
+  REQUIRE(sa.flat_size() == sb.flat_size());
+  CHECK(std::memcmp(sa.values(), sb.values(), static_cast<std::size_t>(sa.flat_size()) * sizeof(float)) == 0);
+  for (const auto* p : sb.parameters()) CHECK(p->lr_scale == 1.0f);
+  optim::AdamW<float> oa(a.parameter_store(), {.lr = 1e-2f});
+  optim::AdamW<float> ob(b.parameter_store(), {.lr = 1e-2f});
+  const auto tokens = random_tokens(12, standard.vocab, 5);
+  const auto targets = random_tokens(12, standard.vocab, 6);
+  for (int step = 0; step < 2; ++step) {
+    a.zero_grad(ctx);
+    b.zero_grad(ctx);
+    const float la = a.forward(ctx, tokens.data(), targets.data(), 2, 6);
+    const float lb = b.forward(ctx, tokens.data(), targets.data(), 2, 6);
+    CHECK(std::memcmp(&la, &lb, sizeof la) == 0);
+    a.backward(ctx);
+    b.backward(ctx);
+    CHECK(std::memcmp(sa.grads(), sb.grads(), static_cast<std::size_t>(sa.flat_size()) * sizeof(float)) == 0);
+    oa.step(1e-2f);
+    ob.step(1e-2f);
+    CHECK(std::memcmp(sa.values(), sb.values(), static_cast<std::size_t>(sa.flat_size()) * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("µP at 4x its base width: hidden matrices start at init_std / 2 and train at lr / 4, the rest unchanged") {
+  // Every tensor thousands of draws (the smallest, a c_proj or wpe, 4096), so a
+  // measured std is within 5% (~4.5 sampling errors of 1 / sqrt(2n)).
+  const models::GPT2Config standard{
+      .layers = 2, .heads = 4, .dim = 64, .max_seq = 64, .vocab = 256, .padded_vocab = 256, .init_std = 0.02f};
+  models::GPT2Config mup = standard;
+  mup.mup = true;
+  mup.mup_base_dim = 16;
+  REQUIRE(mup.width_mult() == 4.0);
+  models::GPT2<float> off(standard, 3);
+  models::GPT2<float> on(mup, 3);
+  CHECK(on.output_multiplier() == 0.25f);
+  const auto po = off.parameter_store().parameters();
+  const auto pm = on.parameter_store().parameters();
+  REQUIRE(po.size() == pm.size());
+  int hidden = 0;
+  for (std::size_t k = 0; k < pm.size(); ++k) {
+    const nn::Parameter<float>& p = *pm[k];
+    INFO(p.name);
+    REQUIRE(p.name == po[k]->name);
+    if (is_hidden_matrix(p.name)) {
+      ++hidden;
+      CHECK(p.lr_scale == 0.25f);
+      // The measured std: init_std / sqrt(4), with the residual projections' 1 / sqrt(2L).
+      const bool residual = p.name.ends_with(".c_proj.weight");
+      const double want = 0.01 / (residual ? std::sqrt(2.0 * static_cast<double>(mup.layers)) : 1.0);
+      CHECK(rms(p) == doctest::Approx(want).epsilon(0.05).scale(0));
+      CHECK(rms(*po[k]) == doctest::Approx(2 * want).epsilon(0.05).scale(0));
+      // From the same draws: exactly half of the standard model's values.
+      for (std::int64_t i = 0; i < p.numel(); ++i) REQUIRE(p.value[i] == 0.5f * po[k]->value[i]);
+    } else {
+      CHECK(p.lr_scale == 1.0f);
+      CHECK(std::memcmp(p.value, po[k]->value, static_cast<std::size_t>(p.numel()) * sizeof(float)) == 0);
+    }
+  }
+  CHECK(hidden == 4 * mup.layers);
+  // The embeddings keep their own scales: wte init_std, wpe 0.01.
+  CHECK(rms(on.parameter_store().find("wte")) == doctest::Approx(0.02).epsilon(0.05).scale(0));
+  CHECK(rms(on.parameter_store().find("wpe")) == doctest::Approx(0.01).epsilon(0.05).scale(0));
+}
+
+TEST_CASE("µP at 2x its base width: gradients match finite differences in double, and the logits are halved") {
+  backend::cpu::Context ctx;
+  const auto cfg = mup_config(8, 4);
+  models::GPT2<double> model(cfg, 7);
+  REQUIRE(model.output_multiplier() == 0.5);
+  const auto result = model_test::check_gradients(ctx, model, "wte", cfg.vocab, cfg.dim, 2, 5);
+  MESSAGE("µP: checked ", result.checked, " gradient elements; worst relative error ", result.worst);
+  CHECK(result.checked > 200);
+
+  // The output multiplier in the forward: the standard model with the same weights has
+  // twice the logits (a power of two: bit for bit).
+  models::GPT2Config standard = cfg;
+  standard.mup = false;
+  models::GPT2<float> f_mup(cfg, 7);
+  models::GPT2<float> f_std(standard, 7);
+  auto& s_mup = f_mup.parameter_store();
+  std::copy(s_mup.values(), s_mup.values() + s_mup.flat_size(), f_std.parameter_store().values());
+  const auto tokens = random_tokens(6, cfg.vocab, 4);
+  const float* l_mup = f_mup.logits(ctx, tokens.data(), 1, 6);
+  const float* l_std = f_std.logits(ctx, tokens.data(), 1, 6);
+  for (std::int64_t i = 0; i < 6 * cfg.padded_vocab; ++i) REQUIRE(l_mup[i] == 0.5f * l_std[i]);
+}
+
+TEST_CASE("µP's first AdamW step moves a hidden matrix by lr / width_mult and an embedding by lr") {
+  backend::cpu::Context ctx;
+  models::GPT2Config cfg = small_config();
+  cfg.dim = 32;
+  cfg.mup = true;
+  cfg.mup_base_dim = 8;  // width_mult 4
+  models::GPT2<float> model(cfg, 5);
+  const float lr = 1e-3f;
+  optim::AdamW<float> opt(model.parameter_store(), {.lr = lr, .weight_decay = 0.0f, .grad_clip = 0.0f});
+  auto& store = model.parameter_store();
+  const std::vector<float> before(store.values(), store.values() + store.flat_size());
+  const auto tokens = random_tokens(12, cfg.vocab, 1);
+  const auto targets = random_tokens(12, cfg.vocab, 2);
+  model.zero_grad(ctx);
+  model.forward(ctx, tokens.data(), targets.data(), 2, 6);
+  model.backward(ctx);
+  opt.step(lr);
+  // Adam's first step is lr x lr_scale x g / (|g| + eps): ±lr x lr_scale where |g| >> eps.
+  auto moves = [&](const std::string& name, double want) {
+    const nn::Parameter<float>& p = store.find(name);
+    const std::int64_t offset = p.value - store.values();
+    int checked = 0;
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
+      if (std::abs(p.grad[i]) < 1e-5f) continue;
+      const double delta = static_cast<double>(p.value[i]) - before[static_cast<std::size_t>(offset + i)];
+      INFO(name, "[", i, "] grad ", p.grad[i], " moved ", delta);
+      REQUIRE(std::abs(delta) == doctest::Approx(want).epsilon(1e-2).scale(0));
+      REQUIRE((delta < 0) == (p.grad[i] > 0));
+      ++checked;
+    }
+    CHECK(checked > 50);
+  };
+  moves("h.0.mlp.c_fc.weight", lr / 4.0);
+  moves("h.1.attn.c_attn.weight", lr / 4.0);
+  moves("wte", lr);
+  moves("wpe", lr);
+}
+
+TEST_CASE("AdamW runs each segment at lr x lr_scale, the decoupled weight decay included") {
+  // Two copies of the same parameter and gradient, one at a quarter of the rate: the
+  // update of each element (Adam's step and the decay lr wd p) is a quarter of the other's.
+  const std::int64_t n = 1000;
+  std::vector<float> p1(n), p2(n), g(n);
+  const auto s = rng::Stream::named(2, "lr scale");
+  for (std::int64_t i = 0; i < n; ++i) {
+    p1[static_cast<std::size_t>(i)] = p2[static_cast<std::size_t>(i)] =
+        static_cast<float>(s.normal(static_cast<std::uint64_t>(i)));
+    g[static_cast<std::size_t>(i)] = static_cast<float>(1e-3 * s.normal(static_cast<std::uint64_t>(n + i)));
+  }
+  const std::vector<float> start = p1;
+  optim::AdamW<float> opt({{p1.data(), g.data(), n, true, 1.0f}, {p2.data(), g.data(), n, true, 0.25f}},
+                          {.lr = 1e-2f, .eps = 1e-3f, .weight_decay = 0.5f, .grad_clip = 0.0f});
+  for (int step = 0; step < 3; ++step) opt.step(1e-2f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    INFO("element ", i);
+    REQUIRE(static_cast<double>(p2[k] - start[k]) ==
+            doctest::Approx(0.25 * static_cast<double>(p1[k] - start[k])).epsilon(2e-2).scale(1e-6));
+  }
+}
+
+TEST_CASE("µP configurations that cannot work are named") {
+  auto cfg = mup_config(8, 0);
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("mup_base_dim (--mup-base-dim) is 0"), Error);
+  cfg.mup_base_dim = -4;
+  CHECK_THROWS_WITH_AS(models::GPT2<float>(cfg, 1), doctest::Contains("µP needs a positive base width"), Error);
+  cfg.mup = false;  // the base width means nothing without µP
+  CHECK_NOTHROW(cfg.validate());
 }

@@ -2,8 +2,10 @@
 // off and on, trains as the serial model: five AdamW steps (with gradient clipping
 // active) from the same seed give the same losses and the same final parameters,
 // gathered from the ranks' slices, to 1e-5 relative in fp32. The activation memory per
-// rank falls as predicted, and sequence parallelism's saving is asserted. Heads,
-// vocabularies and sequence lengths that the degree does not divide are named.
+// rank falls as predicted, and sequence parallelism's saving is asserted. A µP model
+// (its output multiplier and per-parameter learning rates) at tp 2 trains as its serial
+// run. Heads, vocabularies and sequence lengths that the degree does not divide are
+// named.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -73,6 +75,42 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
               " sequence parallelism: largest relative difference from the serial run: losses ", worst_loss,
               ", parameters ", worst);
     }
+}
+
+TEST_CASE(
+    "GPT-2 under µP split over 2 tensor-parallel ranks, sequence parallel or not, trains as the serial µP model") {
+  // Width multiplier 4: the head's input rows and their gradient scaled by 1/4 (on this
+  // rank's rows under sequence parallelism), the hidden matrices' slices at lr / 4.
+  models::GPT2Config cfg = config();
+  cfg.mup = true;
+  cfg.mup_base_dim = 8;
+  std::mutex mutex;
+  Run serial, standard;
+  {
+    models::GPT2<float> model(cfg, 99);
+    tp_test::train_five_steps(model, serial, mutex, true);
+    models::GPT2<float> plain(config(), 99);
+    tp_test::train_five_steps(plain, standard, mutex, true);
+  }
+  CHECK(std::abs(serial.losses.back() - standard.losses.back()) > 1e-3);  // µP changes the run
+  for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on}) {
+    Run split;
+    comm::run_threads(2, [&](comm::ThreadComm& thread_world) {
+      comm::Comm world(std::move(thread_world));
+      models::GPT2<float> model(cfg, 99, nn::TensorParallelGroup(&world, sp));
+      tp_test::train_five_steps(model, split, mutex, world.rank() == 0);
+    });
+    INFO("tp 2" << std::string(sp == parallel::SequenceParallel::on ? ", sequence parallel" : ""));
+    REQUIRE(split.losses.size() == serial.losses.size());
+    for (std::size_t s = 0; s < serial.losses.size(); ++s)
+      CHECK(std::abs(split.losses[s] - serial.losses[s]) <= 1e-5 * std::abs(serial.losses[s]));
+    REQUIRE(split.params.size() == serial.params.size());
+    for (std::size_t k = 0; k < serial.params.size(); ++k) {
+      INFO(serial.names[k]);
+      CHECK(relative_difference(split.grads[k], serial.grads[k]) <= 1e-5);
+      CHECK(relative_difference(split.params[k], serial.params[k]) <= 1e-5);
+    }
+  }
 }
 
 TEST_CASE("GPT-2 heads that the tensor-parallel degree does not divide are named") {

@@ -4,7 +4,8 @@
 // BF16; what write_gpt2 stores is that file again (HF's names, order and metadata); a
 // trained model exported and imported is the same model bit for bit (the same
 // validation loss), and at tp 2 within 1e-5; every way a file can disagree with the
-// model is an error naming the file, the tensor and the flag that fixes it.
+// model is an error naming the file, the tensor and the flag that fixes it, and a µP
+// model above its base width (an output multiplier HF's GPT-2 lacks) is refused.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -251,6 +252,23 @@ TEST_CASE("hf gpt2: write_gpt2 stores the HF file again: names, shapes, order, F
     REQUIRE(bytes.size() == t.values.size() * sizeof(float));
     CHECK(std::memcmp(bytes.data(), t.values.data(), bytes.size()) == 0);
   }
+}
+
+TEST_CASE("hf gpt2: a µP model wider than its base is neither read nor written; at its base width it is") {
+  write_file("hf_mup.safetensors", tiny_file());
+  models::GPT2Config mup = kTiny;
+  mup.mup = true;
+  mup.mup_base_dim = 2;  // width multiplier 2: logits x 1/2, which HF's GPT-2 cannot hold
+  CHECK_THROWS_WITH_AS(hf::read_gpt2("hf_mup.safetensors", mup),
+                       doctest::Contains("cannot be read into a µP model of width multiplier 2 (--mup, --dim 4 over "
+                                         "--mup-base-dim 2)"),
+                       Error);
+  const ck::Snapshot snap = hf::read_gpt2("hf_mup.safetensors", kTiny);
+  CHECK_THROWS_WITH_AS(hf::write_gpt2("hf_mup_out.safetensors", ck::Source::of(snap), mup),
+                       doctest::Contains("cannot be written from a µP model of width multiplier 2"), Error);
+  mup.mup_base_dim = kTiny.dim;  // µP at its base width is the standard model
+  check_tiny(hf::read_gpt2("hf_mup.safetensors", mup), tiny_file());
+  CHECK_NOTHROW(hf::write_gpt2("hf_mup_out.safetensors", ck::Source::of(snap), mup));
 }
 
 TEST_CASE("hf gpt2: a trained model exported and imported is the same model; at tp 2 within 1e-5") {

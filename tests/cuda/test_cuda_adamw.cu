@@ -6,12 +6,11 @@
 //     double, in different groupings), and is bitwise identical when recomputed;
 //   - step() applies backend::cpu::adamw_update (math::adamw_step) with the CPU
 //     optimizer's clip factor grad_clip / (norm + 1e-6) times inv_loss_scale, per-tensor
-//     weight decay, over tensors of ragged sizes (1, 0, 7, 4097, 2^20 + 3, so chunks of
-//     one element, empty tensors and a partial last chunk), for three steps: master
-//     weights, m and v within 1e-5 relative + 1e-6 of the tensor's rms (the device
-//     contracts a * b + c into FMAs, the host does not); the clip factor is recomputed
-//     here from the device's norm with the kernel's double arithmetic, so both sides
-//     use the same scale;
+//     weight decay and learning-rate scale (lr_scale, µP's), over tensors of ragged sizes (1, 0, 7, 4097, 2^20 + 3, so
+//     chunks of one element, empty tensors and a partial last chunk), for three steps: master weights, m and v within
+//     1e-5 relative + 1e-6 of the tensor's rms (the device contracts a * b + c into FMAs, the host does not); the clip
+//     factor is recomputed here from the device's norm with the kernel's double arithmetic, so both sides use the same
+//     scale;
 //   - with bf16/f16 parameters the step writes param = P(master) exactly, within 1 ulp
 //     of P(CPU master);
 //   - G = f16 gradients scaled by 1024 and unscaled by inv_loss_scale = 1/1024;
@@ -63,12 +62,15 @@
 // (nn::HasParameters) instantiates as declared but never referenced.
 namespace llmpar::gpu_test::adamw {
 
-// Three parameters of ragged sizes: a decayed matrix over two chunks of the plan, a
-// bias and a gain that are not decayed.
+// Three parameters of ragged sizes: a decayed matrix over two chunks of the plan, at
+// half the learning rate (a µP hidden matrix's lr_scale), a bias and a gain that are not
+// decayed.
 struct ThreeParameters {
   nn::Parameter<bf16> weight{"weight", Shape{300, 257}, nn::Init::normal(0.5f), true};
   nn::Parameter<bf16> bias{"bias", Shape{257}, nn::Init::normal(0.1f), false};
   nn::Parameter<bf16> gain{"gain", Shape{7}, nn::Init::ones(), false};
+
+  ThreeParameters() { weight.lr_scale = 0.5f; }
 
   template <class Visit>
   void parameters(Visit&& visit) {
@@ -203,6 +205,7 @@ template <class G, class P>
 struct TensorState {
   std::int64_t n = 0;
   bool decay = false;
+  float lr_scale = 1.0f;  // every third tensor at a quarter of the rate (µP's hidden matrices)
   DeviceBuffer<float> master, m, v;
   DeviceBuffer<P> param;  // empty when P is float
   DeviceBuffer<G> grad;
@@ -222,6 +225,7 @@ class Harness {
       auto& t = tensors_.emplace_back();
       t.n = sizes[i];
       t.decay = i % 2 == 0;
+      t.lr_scale = i % 3 == 1 ? 0.25f : 1.0f;
       t.master = DeviceBuffer<float>(t.n, stream);
       t.m = DeviceBuffer<float>(t.n, stream);
       t.v = DeviceBuffer<float>(t.n, stream);
@@ -242,7 +246,7 @@ class Harness {
         t.param.upload(rounded);
         param = t.param.data();
       }
-      table.push_back({t.master.data(), param, t.grad.data(), t.m.data(), t.v.data(), t.n, t.decay});
+      table.push_back({t.master.data(), param, t.grad.data(), t.m.data(), t.v.data(), t.n, t.decay, t.lr_scale});
     }
     plan_.emplace(stream, table);
     workspace_ = DeviceBuffer<float>(plan_->workspace_floats(), stream);
@@ -300,6 +304,7 @@ class Harness {
     for (auto& t : tensors_) {
       math::AdamWParams hp = kHp;
       if (!t.decay) hp.weight_decay = 0.0f;
+      hp.lr *= t.lr_scale;
       cpu::adamw_update(t.cpu_master.data(), t.cpu_m.data(), t.cpu_v.data(), t.grad_values.data(), t.n, hp, step,
                         scale);
     }

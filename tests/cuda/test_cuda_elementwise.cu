@@ -6,8 +6,8 @@
 //     bf16/f16: the CPU kernel on the same rounded inputs, within 1 ulp of the storage
 //     type or that absolute bound), on the vectorized and the scalar path (a pointer
 //     offset by one element), and in place (out == x, dx == dout) with identical bits.
-//   - add, add_inplace, bias_add, encoder_forward and convert round each element once,
-//     as the CPU does, so they must give the CPU's bits exactly.
+//   - add, add_inplace, scale_inplace, bias_add, encoder_forward and convert round each
+//     element once, as the CPU does, so they must give the CPU's bits exactly.
 //   - bias_backward sums in a different grouping than the CPU kernel (row slices, then
 //     slices in order), so its f32 dbias (the main grad, for every storage type) matches
 //     to float rounding (1e-5 of the column's sum of magnitudes), and is bitwise
@@ -240,7 +240,7 @@ void check_gelu(cudaStream_t stream) {
   }
 }
 
-// add, add in place (out == a), add_inplace: the CPU's bits.
+// add, add in place (out == a), add_inplace, scale_inplace: the CPU's bits.
 template <class T>
 void check_add(cudaStream_t stream) {
   for (const std::int64_t n : kSizes) {
@@ -265,10 +265,13 @@ void check_add(cudaStream_t stream) {
       cpu::add_inplace(acc.data(), b.data(), n);
       kernels::add_inplace(stream, da, db, n);
       const std::int64_t bad_inplace = count_different_bits(copy_out(da, n, stream), acc, "add_inplace");
-      report(bad_add + bad_alias + bad_inplace == 0,
-             std::string("add / add_inplace ") + type_name<T>() + " n=" + std::to_string(n) +
-                 (offset ? " (scalar path)" : " (vector path)") + ": bitwise " +
-                 (bad_add + bad_alias + bad_inplace == 0 ? "equal to cpu" : "DIFFERENT"));
+      cpu::scale_inplace(acc.data(), 0.37f, n);
+      kernels::scale_inplace(stream, da, 0.37f, n);
+      const std::int64_t bad_scale = count_different_bits(copy_out(da, n, stream), acc, "scale_inplace");
+      const std::int64_t bad = bad_add + bad_alias + bad_inplace + bad_scale;
+      report(bad == 0, std::string("add / add_inplace / scale_inplace ") + type_name<T>() + " n=" + std::to_string(n) +
+                           (offset ? " (scalar path)" : " (vector path)") + ": bitwise " +
+                           (bad == 0 ? "equal to cpu" : "DIFFERENT"));
     }
   }
 }

@@ -9,6 +9,11 @@
 //    rank, the output projection row-parallel) and its MLP width (c_fc column-parallel,
 //    c_proj row-parallel); with sequence parallelism its LayerNorms and residual adds
 //    hold this rank's rows.
+//  - µP (GPT2Config::mup) is three numbers the parts already take: the hidden matrices'
+//    init std and learning-rate scale (nn::Parameter::lr_scale), set by the block, and
+//    the factor on the tied head's logits (GPT2Config::output_multiplier, applied by the
+//    Transformer). Nothing else of the model changes, so at the base width it is the
+//    standard model bit for bit.
 #pragma once
 
 #include <cmath>
@@ -38,15 +43,39 @@ struct GPT2Config {
   std::int64_t vocab = 50257;         // real vocabulary
   std::int64_t padded_vocab = 50304;  // rows of the token table, >= vocab
   float init_std = 0.02f;
+  // µP (Yang et al. 2022, "Tensor Programs V", the Adam variant of its Table 3; the
+  // `mup` package's MuAdamW with decoupled_wd=True and a MuSharedReadout for the tied
+  // head): hyper-parameters tuned at width mup_base_dim transfer to any dim. With the
+  // width multiplier m = dim / mup_base_dim:
+  //  - hidden matrices (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj weights): init
+  //    std init_std / sqrt(m) (the residual projections keep their extra
+  //    1 / sqrt(2 layers)), learning rate lr / m, the decoupled weight decay (lr wd p)
+  //    scaling with it;
+  //  - embeddings (wte, wpe), biases, LayerNorm gains and biases: as without µP;
+  //  - the logits of the head tied to wte times 1 / m (the output multiplier of a shared
+  //    readout; the Transformer scales the head's input rows, and their gradient);
+  //  - attention keeps its 1 / sqrt(d_head) scale. µP's 1 / d_head is for a head
+  //    dimension that grows with width; grow width by adding heads at a fixed d_head
+  //    (--heads with --dim) and the two differ by a constant that tuning at the base
+  //    width has absorbed. (Growing d_head instead is outside what µP transfers here.)
+  // At dim == mup_base_dim every rule is the identity: the model, its losses and its
+  // gradients are the standard model's bit for bit.
+  bool mup = false;
+  std::int64_t mup_base_dim = 128;  // the width at which µP is the standard parametrisation
 
   // Named presets: "gpt2-tiny" (byte vocabulary, trains in a minute on a laptop core),
-  // "gpt2-124m" (the GPT-2 small of Radford et al.).
+  // and the four GPT-2 sizes of Radford et al. (2019): "gpt2-124m", "gpt2-350m",
+  // "gpt2-774m", "gpt2-1.5b" (the 1.5B model has 25 heads: tp 1, 5 or 25).
   static GPT2Config preset(std::string_view name) {
     if (name == "gpt2-tiny")
       return {.layers = 4, .heads = 4, .dim = 128, .max_seq = 64, .vocab = 256, .padded_vocab = 256};
     if (name == "gpt2-124m") return {};
+    if (name == "gpt2-350m") return {.layers = 24, .heads = 16, .dim = 1024};
+    if (name == "gpt2-774m") return {.layers = 36, .heads = 20, .dim = 1280};
+    if (name == "gpt2-1.5b") return {.layers = 48, .heads = 25, .dim = 1600};
     LLMPAR_FAIL("unknown model preset '", name,
-                "'; use gpt2-tiny or gpt2-124m, or give --layers --heads --dim --seq --vocab");
+                "'; use gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m or gpt2-1.5b, or give --layers --heads --dim --seq "
+                "--vocab");
   }
 
   // The token table padded to a multiple of 128 rows.
@@ -61,7 +90,20 @@ struct GPT2Config {
     LLMPAR_CHECK(vocab > 0 && vocab <= 65536, "vocab is ", vocab,
                  "; it must be in [1, 65536] (tokens are stored as uint16)");
     LLMPAR_CHECK(padded_vocab >= vocab, "padded_vocab ", padded_vocab, " is smaller than vocab ", vocab);
+    LLMPAR_CHECK(!mup || mup_base_dim > 0, "mup_base_dim (--mup-base-dim) is ", mup_base_dim,
+                 "; µP needs a positive base width, the width at which it equals the standard parametrisation "
+                 "(e.g. 128, or the --dim the hyper-parameters were tuned at)");
   }
+
+  // µP's width multiplier dim / mup_base_dim (1 without µP).
+  double width_mult() const { return mup ? static_cast<double>(dim) / static_cast<double>(mup_base_dim) : 1.0; }
+  // The factor on the LM head's logits: µP's output multiplier 1 / width_mult (1 without).
+  double output_multiplier() const { return 1.0 / width_mult(); }
+  // The init std of the hidden matrices (before the residual projections' 1 / sqrt(2
+  // layers)) and their learning-rate scale: init_std / sqrt(width_mult) and
+  // 1 / width_mult under µP; init_std and 1 without.
+  float hidden_init_std() const { return mup ? static_cast<float>(init_std / std::sqrt(width_mult())) : init_std; }
+  float hidden_lr_scale() const { return mup ? static_cast<float>(1.0 / width_mult()) : 1.0f; }
 
   // Parameters: token and position tables, 12·C² + 13·C per block, the final norm.
   std::int64_t num_parameters() const {
@@ -102,23 +144,29 @@ class GPT2Block {
   // splits its heads (q, k, v of heads/tp heads per rank; c_proj row-parallel), the MLP
   // its hidden size (c_fc column-parallel, c_proj row-parallel); the LayerNorms and the
   // residual stream are whole on every rank.
+  // Under µP (cfg.mup) the four matrices start at cfg.hidden_init_std() and train at
+  // cfg.hidden_lr_scale() times the learning rate; their biases are untouched.
   GPT2Block(const std::string& name, const GPT2Config& cfg, nn::TensorParallelGroup tp = {})
       : tp_(tp),
         dim_(cfg.dim),
         heads_((tp.check_divides(cfg.heads, "heads"), cfg.heads / tp.size())),
         local_dim_(cfg.dim / tp.size()),
         ln1_(name + ".ln_1", cfg.dim),
-        qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.init_std, tp, 3),
+        qkv_(name + ".attn.c_attn", cfg.dim, 3 * cfg.dim, true, cfg.hidden_init_std(), tp, 3),
         proj_(name + ".attn.c_proj", cfg.dim, cfg.dim, true,
-              cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp),
+              cfg.hidden_init_std() / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp),
         ln2_(name + ".ln_2", cfg.dim),
-        fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.init_std, tp),
+        fc_(name + ".mlp.c_fc", cfg.dim, 4 * cfg.dim, true, cfg.hidden_init_std(), tp),
         fc_proj_(name + ".mlp.c_proj", 4 * cfg.dim, cfg.dim, true,
-                 cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {
+                 cfg.hidden_init_std() / std::sqrt(2.0f * static_cast<float>(cfg.layers)), tp) {
     // Under sequence parallelism each rank normalises its rows only: the LayerNorms'
     // gradients are partial sums, summed over the group once per step.
     nn::mark_sequence_parallel<T>(ln1_, tp);
     nn::mark_sequence_parallel<T>(ln2_, tp);
+    const float lr_scale = cfg.hidden_lr_scale();
+    for (nn::Parameter<T>* w :
+         {&qkv_.linear().weight(), &proj_.linear().weight(), &fc_.linear().weight(), &fc_proj_.linear().weight()})
+      w->lr_scale = lr_scale;
   }
 
   // The scratch the forward uses to gather rows under sequence parallelism (the model

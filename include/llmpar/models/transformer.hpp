@@ -21,6 +21,9 @@
 //     template <class T, class B> static Norm<T, B> final_norm(const Config&);
 //   };
 //
+// A Config may also have output_multiplier(): a factor on the LM head's logits (µP's
+// 1 / width multiplier, GPT2Config::mup); without it the factor is 1.
+//
 // Why it is built this way:
 //  - The model is a sequence of chunks (pipeline/partition.hpp): this rank's runs of
 //    blocks, the first virtual stage with the embedding in front, the last with the
@@ -53,6 +56,13 @@
 //    first stage's over the embedding group, so the two stay identical (Megatron-LM).
 //  - The vocabulary is padded (GPT-2: 50257 -> 50304) so the LM-head GEMM has aligned
 //    rows; padded logits never enter the loss and get zero gradient.
+//  - An output multiplier s (µP) scales the head's input rows, not the logits: logits
+//    = (s x) wteᵀ, so dwte += dlogitsᵀ (s x) needs nothing more and dx = s (dlogits
+//    wte) one more scaling of the rows. That is B·S·C elements twice, against B·S·Vp
+//    for the logits, the same kernels on both backends, and every consumer of the
+//    logits (the fused and the vocabulary-parallel loss, evaluation, sampling) sees
+//    the multiplied ones. (The `mup` package's MuSharedReadout scales its input too.)
+//    With s = 1 nothing runs.
 #pragma once
 
 #include <cstdint>
@@ -184,7 +194,10 @@ class Transformer {
   // placement: the pipeline chunks this rank holds (default: the whole model).
   Transformer(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {},
               pipeline::Placement placement = {})
-      : cfg_((cfg.validate(), cfg)), tp_(tp), placement_(place(std::move(placement), cfg.layers)) {
+      : cfg_((cfg.validate(), cfg)),
+        tp_(tp),
+        placement_(place(std::move(placement), cfg.layers)),
+        output_multiplier_(output_multiplier_of(cfg)) {
     const pipeline::Placement& pl = placement_;
     if (pl.first() || pl.last())
       table_.emplace(Spec::kTokenTable, cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp);
@@ -311,10 +324,12 @@ class Transformer {
       // The final norm on this rank's rows, then every row gathered for the LM head.
       st.norm_local.reserve(local * C);
       norm_->forward(ctx, st.norm, st.norm_local.data(), residual(st, n), local);
+      scale_head_rows(ctx, st.norm_local.data(), local);
       Backend::synchronize(ctx);
       tp_.gather_rows(st.norm_out.data(), st.norm_local.data(), rows, C);
     } else {
       norm_->forward(ctx, st.norm, st.norm_out.data(), residual(st, n), rows);
+      scale_head_rows(ctx, st.norm_out.data(), rows);
     }
     table_->head_forward(ctx, st.logits.data(), st.norm_out.data(), rows);
     nn::after_forward(hooks_, norm_unit_);
@@ -352,6 +367,7 @@ class Transformer {
       T* dnorm = scratch_.c0.data();  // (Rl, C)
       nn::before_backward(hooks_, head_unit_);
       table_->head_backward(ctx, dnorm, st.logits.data(), st.norm_out.data(), rows);
+      scale_head_rows(ctx, dnorm, local);  // ∂loss/∂norm_out = s ∂loss/∂(s norm_out)
       if (head_unit_ != embedding_unit_) nn::after_backward(hooks_, head_unit_);
       nn::before_backward(hooks_, norm_unit_);
       norm_->backward(ctx, st.norm, dres_[0].data(), dnorm, residual(st, n), local);
@@ -483,6 +499,8 @@ class Transformer {
   nn::ParameterStore<T, Space>& parameter_store() { return store_; }
   nn::TensorParallelGroup tensor_parallel() const { return tp_; }
   const Config& config() const { return cfg_; }
+  // The factor on the LM head's logits (Config::output_multiplier(), 1 when it has none).
+  Acc output_multiplier() const { return output_multiplier_; }
   // Parameters of the whole model (not this rank's share of a split one): the serial
   // model's count, whatever this rank holds.
   std::int64_t num_parameters() const { return serial_parameters_; }
@@ -505,6 +523,17 @@ class Transformer {
     UnitKind kind;
     std::int64_t block = 0;  // local block index
   };
+
+  static Acc output_multiplier_of(const Config& c) {
+    if constexpr (requires { c.output_multiplier(); })
+      return static_cast<Acc>(c.output_multiplier());
+    else
+      return Acc(1);
+  }
+  // rows (rows, C) of the head's input, or of its gradient, times the output multiplier.
+  void scale_head_rows(Context& ctx, T* x, std::int64_t rows) {
+    if (output_multiplier_ != Acc(1)) Backend::scale_inplace(ctx, x, output_multiplier_, rows * cfg_.dim);
+  }
 
   static pipeline::Placement place(pipeline::Placement p, std::int64_t layers) {
     if (p.partition.bounds.empty() && p.whole()) p = pipeline::Placement::whole_model(layers);
@@ -578,6 +607,7 @@ class Transformer {
   Config cfg_;
   nn::TensorParallelGroup tp_;
   pipeline::Placement placement_;
+  Acc output_multiplier_;                  // on the LM head's logits (µP: 1 / width multiplier)
   std::optional<Embedding> table_;         // (Vp, C) split by rows; also the LM head (first or last stage)
   nn::Parameter<T> positions_;             // (max_seq, C) when Spec has a position table (first stage)
   std::vector<Block> blocks_;              // this rank's, chunk by chunk

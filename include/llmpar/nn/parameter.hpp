@@ -1,8 +1,8 @@
 // llmpar/nn/parameter.hpp — parameters, the one visitor interface, and their storage.
 //
 // A layer declares its parameters (name, shape, how to initialise, whether weight
-// decay applies) and exposes them through one call, `parameters(visit)`. Everything
-// that must touch every parameter — allocation, initialisation, the optimizer, gradient
+// decay applies, a learning-rate multiplier) and exposes them through one call,
+// `parameters(visit)`. Everything that must touch every parameter — allocation, initialisation, the optimizer, gradient
 // clipping, checkpoints, and later ZeRO sharding and precision casts — goes through
 // that call, so a user's layer needs no per-feature code.
 //
@@ -111,7 +111,13 @@ struct Parameter {
   Shape shape;       // of the full (unsplit) tensor
   Init init;
   bool decay = false;  // weight decay applies (matrices yes; biases and norm gains no)
-  Split split;         // the part of the full tensor this rank holds (default: all of it)
+  // The optimizer's learning rate for this parameter is lr x lr_scale (the decoupled
+  // weight decay, lr x wd x p, scales with it, as with a PyTorch parameter group's lr).
+  // 1 for every parameter but those a parametrisation scales: µP's hidden matrices
+  // (models/gpt2.hpp, GPT2Config::mup) take 1 / width multiplier.
+  float lr_scale = 1.0f;
+  // The part of the full tensor this rank holds (default: all of it).
+  Split split;
   // Whole on every rank of a tensor-parallel group, but each rank's gradient covers only
   // its rows of the sequence (a norm under sequence parallelism): the gradients are
   // summed over the group once per step (by parallel::GradSync).

@@ -9,7 +9,8 @@
 // once. Clipping does not rewrite the gradients: the clip factor and 1 / loss scale are
 // passed to the update as one gradient scale, saving a full pass over memory. Weight
 // decay applies to the parameters that ask for it (matrices and embeddings), as in
-// GPT-2 and llm.c.
+// GPT-2 and llm.c. A segment's learning rate is lr x its parameter's lr_scale (1 but
+// where a parametrisation such as µP scales it), the decoupled decay scaling with it.
 //
 // A step is two decisions, so that whoever owns the loss scaler and the groups
 // (train::Trainer with parallel::GradSync) decides between them:
@@ -81,13 +82,14 @@ struct Segment {
   acc_t<T>* grad = nullptr;  // (n) their gradients (f32 main grads for 16-bit T)
   std::int64_t n = 0;        // elements
   bool decay = false;        // weight decay applies
+  float lr_scale = 1.0f;     // the update runs at lr x lr_scale (nn::Parameter::lr_scale)
 };
 
 // Every parameter of a store, whole: the optimizer of a run without ZeRO sharding.
 template <class T, class Space>
 std::vector<Segment<T>> whole_store(nn::ParameterStore<T, Space>& store) {
   std::vector<Segment<T>> out;
-  for (nn::Parameter<T>* p : store.parameters()) out.push_back({p->value, p->grad, p->numel(), p->decay});
+  for (nn::Parameter<T>* p : store.parameters()) out.push_back({p->value, p->grad, p->numel(), p->decay, p->lr_scale});
   return out;
 }
 
@@ -148,8 +150,9 @@ class AdamW {
     return {std::sqrt(squares), std::isfinite(squares)};
   }
 
-  // One update at learning rate `lr` (already scheduled): each gradient times
-  // inv_loss_scale and the clip factor of norm.norm (the global norm). It must be finite.
+  // One update at learning rate `lr` (already scheduled; each segment at lr x its
+  // lr_scale): each gradient times inv_loss_scale and the clip factor of norm.norm (the
+  // global norm). It must be finite.
   void update(float lr, const GradNorm& norm, float inv_loss_scale = 1.0f) {
     LLMPAR_CHECK(norm.finite, "AdamW::update with a non-finite gradient norm (", norm.norm,
                  "); skip the step instead (the trainer does, and its loss scaler backs off)");
@@ -159,7 +162,7 @@ class AdamW {
     for (std::size_t k = 0; k < shard_.size(); ++k) {
       const Segment<T>& s = shard_[k];
       const std::int64_t offset = offsets_[k];
-      const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, s.decay ? cfg_.weight_decay : 0.0f};
+      const math::AdamWParams hp{lr * s.lr_scale, cfg_.beta1, cfg_.beta2, cfg_.eps, s.decay ? cfg_.weight_decay : 0.0f};
       if constexpr (kSeparateMaster)
         backend::cpu::adamw_update_master(master_.data() + offset, s.value, m_.data() + offset, v_.data() + offset,
                                           s.grad, s.n, hp, step_, grad_scale);

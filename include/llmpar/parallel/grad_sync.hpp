@@ -373,7 +373,7 @@ class GradSync final : public nn::UnitHooks {
   std::vector<Segment> optimizer_shard() {
     if constexpr (kStage == 0) return optim::whole_store(store_);
     std::vector<Segment> out;
-    for (const Piece& p : owned_) out.push_back({p.value, p.grad, p.n, p.param->decay});
+    for (const Piece& p : owned_) out.push_back({p.value, p.grad, p.n, p.param->decay, p.param->lr_scale});
     return out;
   }
 

@@ -26,6 +26,10 @@
 // depth) is an error naming the file, the tensor, both shapes and the flag that would
 // make the model match. The heads cannot be seen in the weights: --heads is unchecked.
 //
+// A µP model (GPT2Config::mup) wider than its base multiplies its logits by 1 / width
+// multiplier, which HF's GPT-2 has no place for: reading into one and writing one are
+// errors (at the base width µP is the standard model, and both work).
+//
 // Writing reads every tensor whole from a checkpoint::Source (a checkpoint directory's,
 // or a one-rank snapshot's: it must hold every element), and stores F32 in HF's names
 // (no prefix) and order, with the metadata {"format": "pt"} that transformers'
@@ -181,6 +185,17 @@ inline void to_f32(DType t, const std::vector<std::byte>& bytes, float* out, std
 
 }  // namespace detail
 
+// Fails unless cfg computes what HF's GPT-2 of the same weights computes: µP's output
+// multiplier (above its base width) has no counterpart there. `what` says which way the
+// weights were to go (read_gpt2 and write_gpt2 check; a trainer may check first).
+inline void check_standard_logits(const models::GPT2Config& cfg, const char* what) {
+  LLMPAR_CHECK(cfg.output_multiplier() == 1.0, what, " a µP model of width multiplier ", cfg.width_mult(),
+               " (--mup, --dim ", cfg.dim, " over --mup-base-dim ", cfg.mup_base_dim,
+               "): its logits are multiplied by 1/", cfg.width_mult(),
+               ", which Hugging Face's GPT-2 has no place for; train without --mup, or at --dim equal to "
+               "--mup-base-dim, to exchange weights with it");
+}
+
 // The GPT-2 in HF safetensors file `path`, checked against cfg, as whole tensors in our
 // names and layout (wte padded with zero rows to cfg.padded_vocab, wpe cut to
 // cfg.max_seq rows), without moments. Load it with
@@ -189,6 +204,7 @@ inline void to_f32(DType t, const std::vector<std::byte>& bytes, float* out, std
 inline checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT2Config& cfg) {
   using detail::shape_text;
   cfg.validate();
+  check_standard_logits(cfg, "Hugging Face GPT-2 weights cannot be read into");
   const safetensors::File file = safetensors::File::open(path);
   const std::vector<Gpt2Tensor> table = gpt2_tensors(cfg);
   std::map<std::string, std::size_t, std::less<>> index;  // HF name -> table entry
@@ -291,6 +307,7 @@ inline checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT
 // `path` as an HF safetensors file (F32, HF's names and order, {"format": "pt"}).
 inline void write_gpt2(const std::string& path, const checkpoint::Source& source, const models::GPT2Config& cfg) {
   cfg.validate();
+  check_standard_logits(cfg, "Hugging Face GPT-2 weights cannot be written from");
   const std::vector<Gpt2Tensor> table = gpt2_tensors(cfg);
   std::vector<std::vector<float>> data(table.size());
   std::vector<float> ours;

@@ -105,6 +105,11 @@ struct Cpu {
   static void add_inplace(Context&, T* a, const T* b, std::int64_t n) {
     cpu::add_inplace(a, b, n);
   }
+  // a (n) *= s.
+  template <class T>
+  static void scale_inplace(Context&, T* a, Acc<T> s, std::int64_t n) {
+    cpu::scale_inplace(a, s, n);
+  }
   template <class T>
   static void bias_backward(Context&, Acc<T>* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
     cpu::bias_backward(dbias, dout, rows, n);

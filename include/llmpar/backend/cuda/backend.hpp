@@ -76,9 +76,9 @@ class Context {
 };
 
 // AdamW over a shard of a ParameterStore in device memory: the same update as
-// optim::AdamW (same clipping rule, same per-parameter weight decay, the same calls a
-// step), with f32 master weights for a bf16/f16 store (the update writes the 16-bit
-// working copy in the same kernel: kernels::AdamWPlan<float, T>).
+// optim::AdamW (same clipping rule, same per-parameter weight decay and lr scale, the
+// same calls a step), with f32 master weights for a bf16/f16 store (the update writes
+// the 16-bit working copy in the same kernel: kernels::AdamWPlan<float, T>).
 //
 // sum_of_squares() runs the norm kernels over the shard and reads the sum back; the
 // global norm over every group is parallel::GradSync's, which passes it to update().
@@ -128,7 +128,8 @@ class AdamW {
                          .m = m_.data() + offsets_[k],
                          .v = v_.data() + offsets_[k],
                          .n = s.n,
-                         .decay = s.decay});
+                         .decay = s.decay,
+                         .lr_scale = s.lr_scale});
     }
     plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<float, T>>(tensors));
   }
@@ -293,6 +294,11 @@ struct Cuda {
   template <class T>
   static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n) {
     kernels::add_inplace(ctx.stream(), a, b, n);
+  }
+  // a (n) *= s.
+  template <class T>
+  static void scale_inplace(Context& ctx, T* a, float s, std::int64_t n) {
+    kernels::scale_inplace(ctx.stream(), a, s, n);
   }
   template <class T>
   static void bias_backward(Context& ctx, float* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
