@@ -1,13 +1,16 @@
 // prepare_data — turns text into the token shards the trainer reads.
 //
 //   prepare_data --out data/shakespeare input.txt            # your text files
-//   prepare_data --out data/fortunes --fortunes              # the Debian fortunes corpus
+//   prepare_data --out data/fortunes --corpus fortunes       # the Debian fortunes corpus (2 MB)
+//   prepare_data --out data/docs --corpus docs               # the kernel, Python, Perl, LLVM manuals (31 MB)
 //
 // writes PREFIX_train.bin and PREFIX_val.bin in llm.c's shard format, tokenized with the
 // byte tokenizer (vocab 256). Text files are split per file (the last --val-fraction of
-// each, from a line start, is validation); fortunes are split by whole fortunes (every
-// 10th for 0.1). Both shards are always written, so a rerun never leaves a stale one.
+// each, from a line start, is validation); the corpora are split by whole documents, a
+// fortune or a manual page (every 10th for 0.1). Both shards are always written, so a
+// rerun never leaves a stale one.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <exception>
 #include <filesystem>
 #include <iomanip>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "llmpar/data/dataset.hpp"
+#include "llmpar/data/docs.hpp"
 #include "llmpar/data/shard.hpp"
 #include "llmpar/data/tokenizer.hpp"
 
@@ -34,20 +38,28 @@ int main(int argc, char** argv) {
     std::string out;
     double val_fraction = 0.1;
     bool fortunes = false;
+    std::string corpus_name;
     std::string fortunes_dir = data::kDefaultFortunesDir;
     std::vector<std::string> files;
     app.add_option("--out", out, "Output prefix: writes PREFIX_train.bin and PREFIX_val.bin")->required();
     app.add_option("--val-fraction", val_fraction, "Fraction of the text kept for validation, in [0, 1)")
         ->capture_default_str();
-    app.add_flag("--fortunes", fortunes, "Add the fortunes corpus (Debian package `fortunes`) to the inputs");
+    app.add_option("--corpus", corpus_name,
+                   "Add a built-in corpus to the inputs: fortunes (Debian package `fortunes`, 2 MB) or docs (the "
+                   "Linux kernel, Python, Perl and LLVM manuals: packages linux-doc-6.1 python3.11-doc perl-doc "
+                   "llvm-15-doc, 31 MB)")
+        ->check(CLI::IsMember({"fortunes", "docs"}));
+    app.add_flag("--fortunes", fortunes, "Same as --corpus fortunes");
     app.add_option("--fortunes-dir", fortunes_dir, "Directory of fortune files (implies --fortunes)")
         ->capture_default_str();
     app.add_option("files", files, "Text files to tokenize");
     CLI11_PARSE(app, argc, argv);
-    if (app.count("--fortunes-dir") > 0) fortunes = true;
+    if (app.count("--fortunes-dir") > 0 || corpus_name == "fortunes") fortunes = true;
+    const bool docs = corpus_name == "docs";
 
-    if (files.empty() && !fortunes) {
-      std::cerr << "prepare_data: no input; give text FILEs, or --fortunes for the fortunes corpus\n" << app.help();
+    if (files.empty() && !fortunes && !docs) {
+      std::cerr << "prepare_data: no input; give text FILEs, or --corpus fortunes|docs for a built-in corpus\n"
+                << app.help();
       return 1;
     }
     if (!(val_fraction >= 0.0 && val_fraction < 1.0)) {
@@ -61,6 +73,7 @@ int main(int argc, char** argv) {
       return 1;
     }
 
+    const auto started = std::chrono::steady_clock::now();
     const data::ByteTokenizer tokenizer;
     data::TextCorpus corpus;
     corpus.vocab_size = tokenizer.vocab_size();
@@ -69,6 +82,18 @@ int main(int argc, char** argv) {
       std::cout << "read " << f.documents << " fortunes (" << f.val_documents << " for validation) from "
                 << f.files.size() << " files in " << fortunes_dir << "\n";
       corpus = std::move(f);
+    }
+    if (docs) {
+      const data::DocsCorpus d = data::load_docs_corpus(val_fraction, tokenizer);
+      for (const data::DocsSourceStats& s : d.sources)
+        std::cout << "  " << s.package << ": " << s.files << " files, " << s.documents << " documents, " << s.bytes
+                  << " bytes of prose\n";
+      std::cout << "read " << d.files.size() << " documentation files (" << d.source_bytes << " bytes): " << d.documents
+                << " documents kept (" << d.val_documents << " for validation); dropped " << d.duplicates
+                << " duplicates and " << d.short_docs << " with under " << data::kMinDocsDocumentBytes
+                << " bytes of prose\n";
+      append(corpus.train, d.train);
+      append(corpus.val, d.val);
     }
     if (!files.empty()) {
       const std::vector<std::filesystem::path> paths(files.begin(), files.end());
@@ -88,7 +113,9 @@ int main(int argc, char** argv) {
     std::cout << "wrote " << train_path << ": " << corpus.train.size() << " tokens\n"
               << "wrote " << val_path << ": " << corpus.val.size() << " tokens\n"
               << "tokenizer: bytes (vocab " << tokenizer.vocab_size() << "); unigram entropy of train " << std::fixed
-              << std::setprecision(3) << data::unigram_entropy(corpus.train) << " nats/token\n";
+              << std::setprecision(3) << data::unigram_entropy(corpus.train) << " nats/token\n"
+              << "took " << std::setprecision(2)
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() << " s\n";
     if (corpus.val.empty())
       std::cout << "note: the validation shard is empty; raise --val-fraction or give more text to validate\n";
     return 0;
