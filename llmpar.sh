@@ -12,6 +12,15 @@
 #                                            draw a train_gpt --metrics file: train and validation
 #                                            loss against steps and tokens, rollbacks, resumes and
 #                                            skipped steps marked (default out: METRICS.png)
+#   ./llmpar.sh plan [llmpar-plan flags...]  build, then predict memory per rank and step time of
+#                                            layouts (--model M --cluster h200x8x4 --global-batch G
+#                                            ranks every valid layout; --calibrate cpu.json measures
+#                                            this machine; --validate compares with train_gpt runs)
+#   ./llmpar.sh scaling [llmpar-scaling flags...]
+#                                            build, prepare data/docs_*.bin (the Debian documentation
+#                                            corpus), fit scaling laws to a sweep of small runs, train
+#                                            a 10x larger model against the prediction, plot it
+#                                            (OUT/scaling.png; about an hour on 2 cores; --budget B)
 #   ./llmpar.sh gpu-check                    on a machine with an NVIDIA GPU, in at most 8 minutes:
 #                                            build for that GPU only, ctest -L gpu, the CUDA kernel
 #                                            benchmarks, train_gpt --backend cuda in fp32, bf16 and
@@ -41,6 +50,9 @@ LLMPAR_PACKAGES=(
   libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   fortunes
+  # The documentation corpus (prepare_data --corpus docs, data/docs.hpp): 31 MB of
+  # English prose from the kernel, Python, Perl and LLVM manuals, for scaling-law sweeps.
+  linux-doc-6.1 python3.11-doc perl-doc llvm-15-doc
   python3-matplotlib python3-numpy python3-venv
 )
 
@@ -263,6 +275,33 @@ cmd_plot() {
   exec "$python" "$root/tools/plot_metrics.py" "$@"
 }
 
+# llmpar-plan: memory and step time of layouts, before a run (plan/cost.hpp).
+cmd_plan() {
+  setup
+  build --target llmpar_plan train_gpt
+  exec "$build_dir/examples/llmpar-plan" "$@"
+}
+
+# llmpar-scaling: the scaling-law sweep on the documentation corpus (prepared into
+# data/docs_*.bin when missing), its report, and the plot (tools/plot_scaling.py).
+cmd_scaling() {
+  local out=scaling args=("$@") i
+  for ((i = 0; i < ${#args[@]}; ++i)); do
+    [[ "${args[i]}" == --out ]] && ((i + 1 < ${#args[@]})) && out="${args[i + 1]}"
+    [[ "${args[i]}" == --out=* ]] && out="${args[i]#--out=}"
+  done
+  setup
+  build --target llmpar_scaling train_gpt prepare_data
+  local data="$root/data/docs_train.bin"
+  if [[ ! -f "$data" ]]; then
+    mkdir -p "$root/data"
+    "$build_dir/examples/prepare_data" --out "$root/data/docs" --corpus docs
+  fi
+  "$build_dir/examples/llmpar-scaling" --data "$data" "$@"
+  if "$(system_python)" -c 'import matplotlib' >/dev/null 2>&1; then
+    "$(system_python)" "$root/tools/plot_scaling.py" "$out/scaling.json" --out "$out/scaling.png"
+  fi
+}
 
 # ---- gpu-check ----------------------------------------------------------------------
 # The first thing a machine with a GPU runs. No CUDA line of llmpar had run before it,
@@ -468,6 +507,8 @@ case "$command" in
   build) cmd_build "$@" ;;
   install) cmd_install "$@" ;;
   plot) cmd_plot "$@" ;;
+  plan) cmd_plan "$@" ;;
+  scaling) cmd_scaling "$@" ;;
   gpu-check) cmd_gpu_check "$@" ;;
   gpu-bundle) cmd_gpu_bundle "$@" ;;
   -h | --help | help) usage ;;

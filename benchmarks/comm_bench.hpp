@@ -92,16 +92,17 @@ constexpr Shape shape_of(Test t, std::size_t bytes, std::size_t element_size, in
   return s;
 }
 
-// busbw / algbw (see the table above).
+// busbw / algbw (see the table above): comm::bus_factor of the collective.
 constexpr double bus_factor(Test t, int ranks) {
-  const double n = ranks;
   switch (t) {
     case Test::all_reduce:
-      return 2.0 * (n - 1.0) / n;
+      return comm::bus_factor(comm::Collective::all_reduce, ranks);
     case Test::reduce_scatter:
+      return comm::bus_factor(comm::Collective::reduce_scatter, ranks);
     case Test::all_gather:
+      return comm::bus_factor(comm::Collective::all_gather, ranks);
     case Test::all_to_all:
-      return (n - 1.0) / n;
+      return comm::bus_factor(comm::Collective::all_to_all, ranks);
     default:
       return 1.0;
   }

@@ -12,7 +12,7 @@
 #                 sampled as bytes, a warmup longer than the run, ...): no step runs
 #   mfu           the default run (shortened) with its measured MFU peak: the peak is the
 #                 run's precision's, and no step's MFU exceeds 100%, in fp32 and bf16
-#   precision     gpt2-tiny for 300 steps in fp32, bf16 and fp16: the final validation
+#   precision     gpt2-tiny for 150 steps in fp32, bf16 and fp16: the final validation
 #                 losses of bf16 and fp16 are within 2% of fp32's, and fp16's loss scale
 #                 is in the metrics
 #   ranks         --ranks 2 --batch 4 trains exactly as one rank with --batch 8: the same
@@ -34,7 +34,19 @@
 #                 ZeRO 1 within 1e-5; --keep keeps the newest; --export and --init-from
 #                 round-trip the weights (the same bytes, the same validation loss); a
 #                 loss spike guard set too tight rolls back, logs it, and stops after
-#                 --spike-max-rollbacks; bad checkpoints and flags are named
+#                 --spike-max-rollbacks; bad checkpoints and flags are named, a µP
+#                 checkpoint resumed without --mup (or with another base width) too
+#   plan          llmpar-plan: --calibrate writes this machine's cluster file; the quick
+#                 validation grid (8 layouts: precisions, recomputation, ZeRO 2 and 3, tp
+#                 with sp, zb and interleaved pipelines) predicts every rank-0 memory
+#                 report of train_gpt within 10%; the search over h200x8x4 for gpt2-1.5b
+#                 lists layouts and prints the best's command; one layout's breakdown;
+#                 bad flags are named
+#   scaling       llmpar-scaling --synthetic: the whole sweep (fit sizes, off-ratio runs,
+#                 the held-out model at 10x the largest fit run's compute) with losses from
+#                 a known Chinchilla law and 0.3% noise; the fit recovers E, alpha and beta
+#                 within 0.05 and predicts the held-out loss within 2%; the report, CSV and
+#                 a rerun that reuses every finished run; bad flags are named
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
@@ -121,6 +133,11 @@ case "$case" in
     no_step "--sample-tokens 10 with --pp 2: sampling runs the whole model on one rank" "$bin/train_gpt" --ranks 2 \
       --pp 2 --sample-tokens 10
     no_step "--tp 2 x --pp 2 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 2 --pp 2
+    no_step "--mup-base-dim 64 sets µP's base width; it needs --mup" "$bin/train_gpt" --mup-base-dim 64
+    no_step "mup_base_dim (--mup-base-dim) is 0; µP needs a positive base width" "$bin/train_gpt" --mup \
+      --mup-base-dim 0
+    no_step "--export: Hugging Face GPT-2 weights cannot be written from a µP model of width multiplier 2" \
+      "$bin/train_gpt" --mup --mup-base-dim 64 --export model.safetensors
     ;;
   mfu)
     for precision in fp32 bf16; do
@@ -137,8 +154,8 @@ case "$case" in
     ;;
   precision)
     for precision in fp32 bf16 fp16; do
-      "$bin/train_gpt" --steps 300 --eval-every 300 --eval-batches 16 --sample-tokens 0 --peak-gflops 50 \
-        --precision "$precision" --metrics "$precision.jsonl" | grep -v '^step .*/300 ' | tee "$precision.txt"
+      "$bin/train_gpt" --steps 150 --eval-every 150 --eval-batches 16 --sample-tokens 0 --peak-gflops 50 \
+        --precision "$precision" --metrics "$precision.jsonl" | grep -v '^step .*/150 ' | tee "$precision.txt"
     done
     val() { grep 'val loss' "$1.txt" | tail -1 | awk '{print $NF}'; }
     for precision in bf16 fp16; do
@@ -315,6 +332,16 @@ PY
     expect_error 'the data order was shuffled with seed 1337' "$bin/train_gpt" "${common[@]}" --batch 8 --seed 7 --resume whole
     expect_error 'with the same dp x batch size x sequence length' "$bin/train_gpt" "${common[@]}" --batch 4 \
       --resume whole
+    # µP is part of the model: a µP checkpoint resumes only with --mup and its base width.
+    expect_error 'was saved from a standard model but this run builds a µP one; drop --mup' \
+      "$bin/train_gpt" "${common[@]}" --batch 8 --mup --resume whole
+    "$bin/train_gpt" --steps 2 --warmup 1 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --batch 8 --mup \
+      --mup-base-dim 64 --save mup | tee mup.txt
+    grep -q 'µP base width 64 (width multiplier 2)' mup.txt || fail "the model: line does not describe µP"
+    expect_error 'a µP model (--mup --mup-base-dim 64) but this run builds a standard one; pass --mup --mup-base-dim 64' \
+      "$bin/train_gpt" "${common[@]}" --batch 8 --resume mup
+    expect_error 'saved from a µP model of base width 64 but this run builds one of 32; pass --mup-base-dim 64' \
+      "$bin/train_gpt" "${common[@]}" --batch 8 --mup --mup-base-dim 32 --resume mup
     cp -r whole broken
     truncate -s 1000 broken/step_00000012/rank_00000.safetensors
     expect_error 'shard rank_00000.safetensors holds 1000 bytes but metadata.json says' \
@@ -328,6 +355,37 @@ PY
     expect_error '--resume and --init-from both set the weights' "$bin/train_gpt" "${common[@]}" \
       --resume whole --init-from model.safetensors
     echo "checkpoint: OK"
+    ;;
+  plan)
+    "$bin/llmpar-plan" --calibrate cpu.json | tee calibrate.txt
+    grep -q '"shared_node": true' cpu.json || fail "--calibrate did not write a shared-node cluster file"
+    "$bin/llmpar-plan" --validate --quick --steps 3 --cluster cpu.json --out table.md | tee validate.txt
+    [[ $(grep -c '^| [124] |' table.md) == 8 ]] || fail "the quick validation table does not hold 8 layouts"
+    "$bin/llmpar-plan" --model gpt2-1.5b --cluster h200x8x4 --global-batch 512 | tee search.txt
+    grep -q '^best: mpirun -np 32 train_gpt --backend cuda --model gpt2-1.5b' search.txt ||
+      fail "the search printed no best command line"
+    grep -q 'layouts fit in 131 GiB per device' search.txt || fail "the search did not count the layouts that fit"
+    "$bin/llmpar-plan" --model gpt2-124m --cluster h100x8x1 --ranks 8 --tp 2 --pp 2 --zero 1 --batch 4 \
+      --global-batch 64 --precision bf16 | tee one.txt
+    grep -q 'memory per rank' one.txt && grep -q 'bubble' one.txt || fail "one layout's breakdown is incomplete"
+    expect_error "unknown cluster 'a100x8x1'" "$bin/llmpar-plan" --model gpt2-124m --cluster a100x8x1 --global-batch 8
+    expect_error "give --global-batch" "$bin/llmpar-plan" --model gpt2-124m --cluster h100x8x1
+    expect_error "--tp 3 does not divide the 8 ranks" "$bin/llmpar-plan" --cluster h100x8x1 --ranks 8 --tp 3
+    expect_error "--tp 8 does not divide the model's 12 heads" "$bin/llmpar-plan" --model gpt2-124m \
+      --cluster h100x8x1 --ranks 8 --tp 8
+    ;;
+  scaling)
+    "$bin/llmpar-scaling" --synthetic --out syn | tee syn.txt
+    grep -q 'recovered$' syn.txt || fail "the fit did not recover the synthetic law"
+    grep -q '^prediction for held-out-' syn.txt || fail "no prediction was made before the held-out run"
+    [[ $(grep -c '"role":"held-out"' syn/runs.jsonl) == 1 ]] || fail "runs.jsonl does not hold the held-out run"
+    [[ $(wc -l <syn/runs.csv) == 11 ]] || fail "runs.csv does not hold a header and 10 runs"
+    grep -q '"format": "llmpar-scaling-report"' syn/scaling.json || fail "scaling.json is not a scaling report"
+    "$bin/llmpar-scaling" --synthetic --out syn | tee again.txt
+    [[ $(grep -c 'from syn/runs.jsonl' again.txt) == 10 ]] || fail "a rerun did not reuse the finished runs"
+    expect_error "--budget 0" "$bin/llmpar-scaling" --synthetic --budget 0
+    expect_error "give --data" "$bin/llmpar-scaling" --out x
+    expect_error "--batch 16 is not divisible by --ranks 3" "$bin/llmpar-scaling" --synthetic --ranks 3
     ;;
   cuda)
     base=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle)

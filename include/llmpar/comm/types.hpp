@@ -51,6 +51,25 @@ enum class Collective : std::uint8_t {
   barrier,
 };
 
+// nccl-tests' bus bandwidth factor: busbw = algbw x bus_factor, the traffic of a ring
+// algorithm per rank relative to the buffer (2(n-1)/n for an all-reduce, (n-1)/n for a
+// reduce-scatter, all-gather or all-to-all, 1 for the rest). The collective benchmarks
+// report busbw with it, and the planner (plan/cost.hpp) turns a link's busbw back into
+// the time of a collective with it.
+constexpr double bus_factor(Collective c, int ranks) {
+  const double n = ranks;
+  switch (c) {
+    case Collective::all_reduce:
+      return 2.0 * (n - 1.0) / n;
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
+    case Collective::all_to_all:
+      return (n - 1.0) / n;
+    default:
+      return 1.0;
+  }
+}
+
 constexpr std::string_view name_of(ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:

@@ -1,0 +1,454 @@
+// llmpar/plan/cost.hpp — the planner's cost model: for a GPT-2 config, a layout and a
+// cluster, the bytes each rank holds and the time a training step takes.
+//
+// Why it is built this way:
+//  - Memory is predicted from the same allocations the trainer makes and reports
+//    (Trainer::memory(): parallel::MemoryReport), term by term, not from a rule of
+//    thumb. The parameter store is cut into GradSync's buckets (units in reverse
+//    order, each rounded to 64 bytes, a bucket closed past --bucket-mb, one bucket per
+//    unit under ZeRO 3), so the ZeRO shards, the padding and the largest bucket (which
+//    sizes ZeRO 2/3's pooled buffers) come out as GradSync computes them. Activations
+//    follow what each block's Saved, the model's Stash and its shared backward scratch
+//    reserve (models/gpt2.hpp, models/transformer.hpp), with the executor holding one
+//    Stash per micro-batch in flight: that count comes from pipeline::simulate of the
+//    schedule the run would use (pipeline/schedule.hpp), not from a formula per
+//    schedule. Estimator tables that guess activations (the DeepSpeed estimator's
+//    0.49 GB against a measured 14.7 GB) are what this avoids.
+//  - Time is compute, communication and bubble. Compute is every GEMM of the step at
+//    its own shape on the cluster's GEMM curve (plan/cluster.hpp: small products, as
+//    tensor parallelism makes them, run below the peak), plus memory-bound work
+//    (norms, activations, attention's softmax, the optimizer) at the memory bandwidth.
+//    Communication is each collective's bytes over the busbw of the link its group
+//    spans (comm::bus_factor: the same definition the collective benchmarks report)
+//    plus a latency per ring step. The pipeline's bubble is pipeline::simulate's
+//    makespan over the slowest stage's action costs.
+//  - Ranks are placed as comm::Grid places them: tp adjacent, then dp, then pp. A
+//    group of ranks that fits in a node uses the node's link.
+//  - Every estimate is per rank of the most loaded pipeline stage (the first holds the
+//    embedding, the last the LM head and its logits): the rank that runs out of memory
+//    first and the stage that sets the pipeline's pace.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "llmpar/comm/types.hpp"
+#include "llmpar/config.hpp"
+#include "llmpar/core/dtype.hpp"
+#include "llmpar/core/error.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/parallel/compose.hpp"
+#include "llmpar/pipeline/partition.hpp"
+#include "llmpar/pipeline/schedule.hpp"
+#include "llmpar/plan/cluster.hpp"
+
+namespace llmpar::plan {
+
+// A training layout: the degrees and policies of one run (train_gpt's flags).
+struct Layout {
+  int tp = 1;
+  bool sp = false;
+  int pp = 1;
+  std::string schedule = "1f1b";  // gpipe, 1f1b, interleaved, zb
+  int virtual_stages = 1;
+  pipeline::Partition partition;  // p·v stages' layers (pipeline::even_partition by default)
+  int dp = 1;
+  int zero = 0;
+  std::int64_t micro_batch = 1;  // sequences per micro-batch and rank
+  std::int64_t grad_accum = 1;   // micro-batches per step
+  recompute::Mode recompute = recompute::Mode::none;
+  DType precision = DType::f32;  // storage and compute type: f32, bf16, f16
+  double bucket_mb = 4.0;        // gradient bucket, MiB of f32 gradients
+
+  int world() const { return tp * pp * dp; }
+  std::int64_t global_batch() const { return micro_batch * grad_accum * dp; }
+};
+
+// One rank's bytes, as parallel::MemoryReport counts them, with the model's scratch
+// apart (MemoryReport counts it with the activations).
+struct Memory {
+  double parameters = 0.0;     // parameter values kept between steps (whole, or the ZeRO-3 shard)
+  double gradients = 0.0;      // gradients (whole, or the ZeRO-2/3 shard)
+  double optimizer = 0.0;      // AdamW moments and, for 16-bit storage, f32 master weights
+  double activations = 0.0;    // stashes of the micro-batches in flight, the residual gradients, targets
+  double workspace = 0.0;      // the blocks' shared backward scratch, recomputation buffers, the loss's stats
+  double communication = 0.0;  // ZeRO buckets in flight, reduce-scatter staging, sequence-parallel norms
+  double reserved = 0.0;       // the device's own (cluster): a CUDA context, libraries' workspaces
+
+  double model_state() const { return parameters + gradients + optimizer; }
+  // What the trainer's MemoryReport totals: everything but the reserved bytes.
+  double measured_total() const { return model_state() + activations + workspace + communication; }
+  double total() const { return measured_total() + reserved; }
+};
+
+// One step's time on the slowest stage, in seconds.
+struct Time {
+  double compute = 0.0;        // this stage's forward and backward of every micro-batch, recomputation included
+  double tensor_comm = 0.0;    // tensor/sequence-parallel collectives (inside compute's critical path)
+  double pipeline_comm = 0.0;  // activations and gradients between stages
+  double bubble = 0.0;         // the stage's idle time inside the pipeline
+  double data_comm = 0.0;      // data-parallel reductions and gathers, the part not hidden under backward
+  double optimizer = 0.0;      // gradient norm and the AdamW update
+  double step = 0.0;
+  double mfu = 0.0;  // model FLOPs (6N + attention per token) over the step and the cluster's peak
+};
+
+struct Estimate {
+  Memory memory;
+  int memory_stage = 0;  // the pipeline rank whose memory it is
+  Time time;
+  bool fits = true;
+  std::string why;  // when it does not fit
+};
+
+namespace detail {
+
+using llmpar::detail::concat;
+
+inline double round_to(double n, double to) { return std::ceil(n / to) * to; }
+
+// What the workload is, per micro-batch, for one rank.
+struct Shapes {
+  double B, S, R, Rl, C, Cl, NHl, Vl, t, acc = 4.0;
+  int tp;
+};
+
+inline Shapes shapes_of(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l) {
+  Shapes s{};
+  s.B = static_cast<double>(l.micro_batch);
+  s.S = static_cast<double>(seq);
+  s.R = s.B * s.S;
+  s.tp = l.tp;
+  s.Rl = l.sp ? s.R / l.tp : s.R;
+  s.C = static_cast<double>(cfg.dim);
+  s.Cl = s.C / l.tp;
+  s.NHl = static_cast<double>(cfg.heads) / l.tp;
+  s.Vl = static_cast<double>(cfg.padded_vocab) / l.tp;
+  s.t = static_cast<double>(size_of(l.precision));
+  return s;
+}
+
+// A block's parameters on one tp rank, as the store binds them.
+inline std::vector<double> block_parameters(double C, int tp) {
+  return {C, C, 3 * C / tp * C, 3 * C / tp, C * C / tp, C, C, C, 4 * C / tp * C, 4 * C / tp, 4 * C / tp * C, C};
+}
+
+// The bytes one block's Saved holds for a micro-batch (models/gpt2.hpp reserve/attention).
+inline double block_saved_bytes(const Shapes& s, bool selective) {
+  const double norms = 2 * 2 * s.Rl * s.acc;
+  const double kept = (3 * s.Rl * s.C + s.R * 3 * s.Cl + 2 * s.R * 4 * s.Cl) * s.t;
+  const double attention = selective ? 0.0 : s.R * s.Cl * s.t + s.B * s.NHl * s.S * s.acc;
+  return norms + kept + attention;
+}
+
+// The zero-bubble schedule's deferred weight-gradient operands of one block.
+inline double block_deferred_bytes(const Shapes& s, bool sp, bool selective) {
+  double n = 2 * s.R * s.C + s.R * 4 * s.Cl + s.R * 3 * s.Cl;
+  if (sp) n += 2 * s.R * s.C;
+  if (selective) n += s.R * s.Cl;
+  return n * s.t;
+}
+
+// A time for `bytes` through a collective over `ranks` ranks on `link`.
+inline double collective_seconds(comm::Collective c, double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0.0) return 0.0;
+  const double steps = c == comm::Collective::all_reduce ? 2.0 * (ranks - 1) : ranks - 1.0;
+  return bytes * comm::bus_factor(c, ranks) / link.busbw + steps * link.latency;
+}
+
+}  // namespace detail
+
+// The pipeline rank's units' parameter counts (forward order: embedding, blocks, final
+// norm, the head's copy of the token table), each a list of this tp rank's tensors.
+inline std::vector<std::vector<double>> unit_parameters(const models::GPT2Config& cfg, const Layout& l, int stage) {
+  const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+  const double C = static_cast<double>(cfg.dim), table = static_cast<double>(cfg.padded_vocab) / l.tp * C;
+  std::vector<std::vector<double>> units;
+  if (pl.first()) units.push_back({table, static_cast<double>(cfg.max_seq) * C});
+  for (int c = 0; c < pl.chunks; ++c)
+    for (std::int64_t b = pl.begin(c); b < pl.end(c); ++b) units.push_back(detail::block_parameters(C, l.tp));
+  if (pl.last()) {
+    units.push_back({C, C});
+    if (!pl.first()) units.push_back({table});
+  }
+  return units;
+}
+
+// GradSync's buckets over a stage's units (parallel/grad_sync.hpp plan_layout).
+struct Buckets {
+  double size = 0.0;        // elements of the store, padding included
+  double shard = 0.0;       // this dp rank's elements (sum of the buckets' blocks)
+  double largest = 0.0;     // the largest bucket
+  double parameters = 0.0;  // real parameter elements (no padding)
+  int count = 0;
+};
+
+inline Buckets bucket_layout(const std::vector<std::vector<double>>& units, const Layout& l) {
+  const double align = static_cast<double>(kHostAlignment) / static_cast<double>(size_of(l.precision));
+  const double bucket_elements = std::max(1.0, std::floor(l.bucket_mb * (1 << 20) / 4.0));
+  Buckets b;
+  double offset = 0.0, begin = 0.0;
+  for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
+    for (double n : units[static_cast<std::size_t>(u)]) {
+      offset += detail::round_to(n, align);
+      b.parameters += n;
+    }
+    if (l.zero == 3 || u == 0 || offset - begin >= bucket_elements) {
+      const double size = detail::round_to(std::max(offset - begin, 1.0), align * l.dp);
+      b.largest = std::max(b.largest, size);
+      b.shard += size / l.dp;
+      offset = begin + size;
+      begin = offset;
+      ++b.count;
+    }
+  }
+  b.size = offset;
+  return b;
+}
+
+// The schedule's most micro-batches in flight on each pipeline rank, and its makespan
+// for unit forward/backward costs.
+inline pipeline::Report schedule_report(const Layout& l, pipeline::Cost cost = {}) {
+  const pipeline::Shape shape{
+      .stages = l.pp, .chunks = l.virtual_stages, .micro_batches = static_cast<int>(l.grad_accum)};
+  return pipeline::simulate(pipeline::make_schedule(l.pp > 1 ? l.schedule : "1f1b", shape), shape, cost);
+}
+
+// One pipeline rank's bytes.
+inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, int stage, int in_flight,
+                           const Cluster& cluster) {
+  const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+  const detail::Shapes s = detail::shapes_of(cfg, seq, l);
+  const Buckets b = bucket_layout(unit_parameters(cfg, l, stage), l);
+  const double t = s.t, g = 4.0;
+  const bool selective = l.recompute == recompute::Mode::selective, full = l.recompute == recompute::Mode::full;
+  Memory m;
+  m.parameters = (l.zero < 3 ? b.size : b.shard) * t;
+  m.gradients = (l.zero < 2 ? b.size : b.shard) * g;
+  const double state = l.zero == 0 ? b.parameters : b.parameters / l.dp;
+  m.optimizer = state * 4.0 * (l.precision == DType::f32 ? 2.0 : 3.0);
+
+  // Stashes: one per micro-batch in flight, each grown to the largest chunk it served.
+  std::int64_t most_blocks = 0;
+  for (int c = 0; c < pl.chunks; ++c) most_blocks = std::max(most_blocks, pl.end(c) - pl.begin(c));
+  const double n = static_cast<double>(most_blocks);
+  double stash = (n + 1) * s.Rl * s.C * t;
+  if (!full) stash += n * detail::block_saved_bytes(s, selective);
+  if (l.pp > 1 && l.schedule == "zb") stash += n * detail::block_deferred_bytes(s, l.sp, selective);
+  if (pl.first()) stash += s.R * 4.0;  // token ids
+  if (pl.last())
+    stash += 2 * s.Rl * s.acc + s.R * s.C * t + (l.sp ? s.Rl * s.C * t : 0.0) + s.R * s.Vl * t + s.R * s.acc;
+  m.activations = in_flight * stash + 2 * s.Rl * s.C * t;        // the stashes, the residual gradients
+  if (pl.last()) m.activations += 2 * s.R * 4.0;                 // targets, the host's losses
+  if (l.pp > 1 && !pl.first()) m.activations += s.Rl * s.C * t;  // the gradient sent back
+  // The blocks' shared backward scratch (wide0, qkv, c0, c1 at the full width; gathered
+  // and partial rows under sequence parallelism; the attention core under selective
+  // recomputation), full recomputation's block, the loss's softmax stats.
+  m.workspace = (4 + 3 + 2) * s.R * s.C * t;
+  if (l.sp) m.workspace += 2 * s.R * s.C * t;
+  if (selective) m.workspace += s.R * s.Cl * t + s.B * s.NHl * s.S * s.acc;
+  if (full) m.workspace += detail::block_saved_bytes(s, false) + s.Rl * s.C * t;
+  if (pl.last()) m.workspace += (1 + l.tp) * s.R * 3.0 * s.acc;
+  // ZeRO 2/3: pooled buckets of the largest bucket's size, as many as are in use or in
+  // flight at once. The pools grow with the overlap; these are the counts measured on
+  // thread ranks (ZeRO 2: three gradient buckets, one filling and two reducing; ZeRO 3,
+  // whose buckets are single units: two gradient and two value buckets, in use and
+  // prefetched), plus the staging of one block of a reduce-scatter.
+  if (l.zero == 2) m.communication += 3 * b.largest * g + b.largest / l.dp * g;
+  if (l.zero == 3) m.communication += 2 * b.largest * g + b.largest / l.dp * g + 2 * b.largest * t;
+  if (l.sp) {
+    const double norms = static_cast<double>(pl.last() ? 1 : 0) * 2 * s.C + n * l.virtual_stages * 4 * s.C;
+    m.communication += (l.zero == 0 ? norms : norms / l.dp) * g;
+  }
+  m.reserved = cluster.reserved_bytes;
+  return m;
+}
+
+// The memory of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
+inline Memory rank_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, int stage,
+                          const Cluster& cluster) {
+  const pipeline::Report r = schedule_report(l);
+  return stage_memory(cfg, seq, l, stage, r.ranks[static_cast<std::size_t>(stage)].max_in_flight, cluster);
+}
+
+// The memory of the rank that holds the most, and which pipeline rank that is.
+inline std::pair<Memory, int> peak_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l,
+                                          const Cluster& cluster) {
+  const pipeline::Report r = schedule_report(l);
+  Memory best;
+  int where = 0;
+  for (int stage = 0; stage < l.pp; ++stage) {
+    const Memory m = stage_memory(cfg, seq, l, stage, r.ranks[static_cast<std::size_t>(stage)].max_in_flight, cluster);
+    if (stage == 0 || m.total() > best.total()) {
+      best = m;
+      where = stage;
+    }
+  }
+  return {best, where};
+}
+
+// The link a group of `size` ranks spaced `stride` apart uses (ranks are numbered tp
+// fastest, then dp, then pp, as comm::Grid numbers them).
+inline const Link& group_link(const Cluster& c, int size, int stride) {
+  return static_cast<std::int64_t>(size) * stride <= c.devices_per_node || size == 1 ? c.intra : c.inter;
+}
+
+// How many ranks share one device's compute, bandwidth and memory: on a shared node
+// (a CPU) every rank the node runs, 1 on GPUs.
+inline double ranks_sharing(const Layout& l, const Cluster& c) {
+  return c.shared_node ? std::ceil(static_cast<double>(l.world()) / c.nodes) : 1.0;
+}
+
+// The step time of a layout.
+inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, const Cluster& c) {
+  const detail::Shapes s = detail::shapes_of(cfg, seq, l);
+  const double share = ranks_sharing(l, c);
+  Gemm gemm = c.gemm(l.precision);
+  gemm.peak_flops /= share;
+  const double bandwidth = c.memory_bandwidth / share;
+  const bool selective = l.recompute == recompute::Mode::selective, full = l.recompute == recompute::Mode::full;
+  const Link& tp_link = group_link(c, l.tp, 1);
+  const Link& dp_link = group_link(c, l.dp, l.tp);
+  const Link& pp_link = group_link(c, l.pp > 1 ? 2 : 1, l.tp * l.dp);
+
+  // One block, one micro-batch: the four linear layers' GEMMs (backward: the input and
+  // the weight gradient), attention (QKᵀ and PV, causal: half the square), and the
+  // memory-bound rest (norms, GELU, residual adds, softmax: about the Saved bytes
+  // written once and read back twice forward, three times backward).
+  auto linear = [&](double in, double out) { return gemm.seconds(s.R, out, in); };
+  const double gemms = linear(s.C, 3 * s.Cl) + linear(s.Cl, s.C) + linear(s.C, 4 * s.Cl) + linear(4 * s.Cl, s.C);
+  const double head_dim = s.C / static_cast<double>(cfg.heads);
+  const double attention_flops = 2.0 * s.B * s.NHl * s.S * s.S * head_dim;  // 4·B·NH·S²·d, half of it causal
+  const double attention = attention_flops / gemm.flops_per_second(s.S, s.S, head_dim);
+  const double elementwise = detail::block_saved_bytes(s, false) / bandwidth;
+  // Tensor parallelism per block and micro-batch: two all-reduces of (B·S, C) each way;
+  // under sequence parallelism two all-gathers and two reduce-scatters forward, and
+  // backward also the two gathers of the norms' outputs again for the weight gradients.
+  const double tp_bytes = s.R * s.C * s.t;
+  const double gather = detail::collective_seconds(comm::Collective::all_gather, tp_bytes, l.tp, tp_link);
+  const double scatter = detail::collective_seconds(comm::Collective::reduce_scatter, tp_bytes, l.tp, tp_link);
+  const double reduce = detail::collective_seconds(comm::Collective::all_reduce, tp_bytes, l.tp, tp_link);
+  const double tp_forward = l.sp ? 2 * gather + 2 * scatter : 2 * reduce;
+  const double tp_backward = l.sp ? 4 * gather + 2 * scatter : 2 * reduce;
+  const double block_forward = gemms + attention + 3 * elementwise + tp_forward;
+  const double block_backward = 2 * gemms + 2.5 * attention + 3 * elementwise + tp_backward +
+                                (full        ? block_forward
+                                 : selective ? attention
+                                             : 0.0);
+
+  Time time;
+  double worst_forward = 0.0, worst_backward = 0.0, worst_weight = 0.0, worst_tp = 0.0;
+  for (int stage = 0; stage < l.pp; ++stage) {
+    const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+    double blocks = 0;
+    for (int ch = 0; ch < pl.chunks; ++ch) blocks += static_cast<double>(pl.end(ch) - pl.begin(ch));
+    double forward = blocks * block_forward, backward = blocks * block_backward;
+    double weight = blocks * gemms;  // the weight-gradient GEMMs a zero-bubble schedule defers
+    const double tp = blocks * (tp_forward + tp_backward + (full ? tp_forward : 0.0));
+    if (pl.last()) {  // the final norm, the LM head (and its two gradients), the loss
+      const double head = gemm.seconds(s.R, s.Vl, s.C);
+      const double loss = s.R * s.Vl * s.t * 3 / bandwidth;
+      forward += head + loss;
+      backward += 2 * head + loss;
+      weight += head;
+    }
+    if (pl.first()) {
+      const double embed = s.R * s.C * s.t * 3 / bandwidth;
+      forward += embed;
+      backward += embed;
+    }
+    if (l.pp > 1) {  // an activation out and a gradient back per micro-batch and chunk
+      const double p2p = pl.chunks * (s.Rl * s.C * s.t / pp_link.busbw + pp_link.latency);
+      forward += p2p;
+      backward += p2p;
+      time.pipeline_comm = std::max(time.pipeline_comm, 2 * p2p * static_cast<double>(l.grad_accum));
+    }
+    if (forward + backward > worst_forward + worst_backward) {
+      worst_forward = forward;
+      worst_backward = backward;
+      worst_weight = weight;
+      worst_tp = tp;
+    }
+  }
+  const double m = static_cast<double>(l.grad_accum);
+  time.compute = m * (worst_forward + worst_backward);
+  time.tensor_comm = m * worst_tp;
+  if (l.pp > 1) {
+    const pipeline::Report r = schedule_report(
+        l,
+        {.forward = worst_forward, .backward = worst_backward, .weight = std::min(worst_weight, 0.9 * worst_backward)});
+    time.bubble = std::max(0.0, r.makespan - time.compute);
+  }
+
+  // Data parallelism over this stage's store: ZeRO 0 all-reduces the gradients once a
+  // step; 1 reduce-scatters them and all-gathers the updated values; 2 reduce-scatters
+  // every micro-batch; 3 also gathers every bucket's values for each forward and
+  // backward. The last bucket's reduction comes after backward and is never hidden.
+  const Buckets b = bucket_layout(unit_parameters(cfg, l, l.pp - 1), l);
+  const double grad_bytes = b.size * 4.0, value_bytes = b.size * s.t;
+  double dp = 0.0;
+  if (l.zero == 0) dp = detail::collective_seconds(comm::Collective::all_reduce, grad_bytes, l.dp, dp_link);
+  if (l.zero >= 1) {
+    const double reductions = l.zero >= 2 ? m : 1.0;
+    dp = reductions * detail::collective_seconds(comm::Collective::reduce_scatter, grad_bytes, l.dp, dp_link);
+    if (l.zero < 3)
+      dp += detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.dp, dp_link);
+    else
+      dp += 2 * m * detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.dp, dp_link);
+  }
+  const double last_bucket = b.count > 0 ? dp / b.count : 0.0;
+  time.data_comm = l.dp > 1 ? last_bucket + (1.0 - c.overlap) * (dp - last_bucket) : 0.0;
+  // Each collective of the communication thread also costs the compute its overhead.
+  const double buckets = static_cast<double>(b.count);
+  const double collectives = l.zero == 0   ? buckets
+                             : l.zero == 1 ? 2 * buckets
+                             : l.zero == 2 ? (m + 1) * buckets
+                                           : 3 * m * buckets;
+  if (l.dp > 1) time.data_comm += collectives * c.collective_overhead;
+  if (l.pp > 1)  // the tied token table's gradient, summed over the first and last stage
+    time.data_comm +=
+        detail::collective_seconds(comm::Collective::all_reduce, s.Vl * s.C * 4.0, 2, group_link(c, 2, l.tp * l.dp));
+
+  // The gradient norm reads every gradient; AdamW reads gradients, values and both
+  // moments and writes the three back (and the master copy of 16-bit values).
+  const double state = l.zero == 0 ? b.parameters : b.parameters / l.dp;
+  time.optimizer =
+      (b.size * 4.0 + state * (4.0 + 2 * 12.0 + (l.precision == DType::f32 ? 0.0 : 8.0 + s.t))) / bandwidth;
+  time.step = time.compute + time.bubble + time.data_comm + time.optimizer;
+
+  models::GPT2Config model = cfg;
+  model.max_seq = std::max(cfg.max_seq, seq);
+  const double params = static_cast<double>(model.num_parameters());
+  const double flops_per_token = 6.0 * params + 6.0 * static_cast<double>(cfg.layers * cfg.dim * seq);
+  const double tokens = static_cast<double>(l.global_batch() * seq);
+  const double peak = c.gemm(l.precision).peak_flops * (c.shared_node ? 1.0 : static_cast<double>(l.world()));
+  time.mfu = flops_per_token * tokens / (time.step * peak);
+  return time;
+}
+
+// Memory and time of a layout on a cluster, and whether it fits.
+inline Estimate estimate(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, const Cluster& c) {
+  Estimate e;
+  std::tie(e.memory, e.memory_stage) = peak_memory(cfg, seq, l, c);
+  e.time = step_time(cfg, seq, l, c);
+  // Ranks sharing a node share its memory.
+  const double need = e.memory.total() * ranks_sharing(l, c);
+  if (need > c.memory_bytes) {
+    e.fits = false;
+    const Memory& m = e.memory;
+    const double largest = std::max({m.parameters + m.gradients + m.optimizer, m.activations + m.workspace});
+    e.why = detail::concat("needs ", need / (1 << 30), " GiB of ", c.memory_bytes / (1 << 30), " GiB (",
+                           largest == m.activations + m.workspace
+                               ? "mostly activations: lower --micro-batch, or --recompute selective/full"
+                               : "mostly model state: a higher --zero stage, or more tp/pp",
+                           ")");
+  }
+  return e;
+}
+
+}  // namespace llmpar::plan

@@ -1,0 +1,275 @@
+// The planner's cost model (plan/cost.hpp) and cluster descriptions (plan/cluster.hpp)
+// against hand-worked values. The predictions against measured runs are
+// llmpar-plan --validate (the example_plan test runs its quick grid).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "llmpar/plan/cluster.hpp"
+#include "llmpar/plan/cost.hpp"
+
+using namespace llmpar;
+using plan::Cluster;
+using plan::Layout;
+
+namespace {
+
+// Whether f() throws with a message containing `part`.
+template <class F>
+bool fails_with(F&& f, const std::string& part) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find(part) != std::string::npos) return true;
+    MESSAGE("message was: ", e.what());
+    return false;
+  }
+  return false;
+}
+
+// A one-block model small enough to count by hand: C = 8, 2 heads, vocabulary 16.
+models::GPT2Config tiny() { return {.layers = 1, .heads = 2, .dim = 8, .max_seq = 4, .vocab = 16, .padded_vocab = 16}; }
+
+Layout whole(const models::GPT2Config& cfg) {
+  Layout l;
+  l.partition = pipeline::even_partition(cfg.layers, 1);
+  return l;
+}
+
+Cluster test_cluster() {
+  Cluster c;
+  c.name = "test";
+  c.nodes = 2;
+  c.devices_per_node = 4;
+  c.memory_bytes = 80e9;
+  c.fp32 = {100e12, 0.0};
+  c.bf16 = {400e12, 0.0};
+  c.fp16 = {400e12, 0.0};
+  c.memory_bandwidth = 2e12;
+  c.intra = {100e9, 1e-5};
+  c.inter = {10e9, 1e-5};
+  c.overlap = 0.5;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("bus factors and collective times are nccl-tests' conventions") {
+  CHECK(comm::bus_factor(comm::Collective::all_reduce, 4) == doctest::Approx(1.5));
+  CHECK(comm::bus_factor(comm::Collective::reduce_scatter, 4) == doctest::Approx(0.75));
+  CHECK(comm::bus_factor(comm::Collective::all_gather, 8) == doctest::Approx(0.875));
+  CHECK(comm::bus_factor(comm::Collective::send, 2) == doctest::Approx(1.0));
+  const plan::Link link{100e9, 1e-5};
+  // 1 GB all-reduced over 4 ranks at 100 GB/s busbw: 1.5 GB of traffic, 6 ring steps.
+  CHECK(plan::detail::collective_seconds(comm::Collective::all_reduce, 1e9, 4, link) == doctest::Approx(0.015 + 6e-5));
+  CHECK(plan::detail::collective_seconds(comm::Collective::all_gather, 1e9, 4, link) == doctest::Approx(0.0075 + 3e-5));
+  CHECK(plan::detail::collective_seconds(comm::Collective::all_reduce, 1e9, 1, link) == 0.0);
+}
+
+TEST_CASE("the GEMM curve reaches half its peak where the thinnest dimension is the half size") {
+  const plan::Gemm g{100e12, 512.0};
+  CHECK(g.flops_per_second(512, 512, 512) == doctest::Approx(50e12));
+  CHECK(g.flops_per_second(4096, 4096, 4096) == doctest::Approx(100e12 * 4096 / (4096 + 512)));
+  // 2·m·n·k FLOPs at the rate of the smallest dimension, 512: half the peak.
+  CHECK(g.seconds(1024, 2048, 512) == doctest::Approx(2.0 * 1024 * 2048 * 512 / 50e12));
+  CHECK(g.flops_per_second(8192, 64, 768) == doctest::Approx(100e12 * 64 / (64 + 512)));
+}
+
+TEST_CASE("buckets are GradSync's: units in reverse, 64-byte rounding, dp-divisible buckets") {
+  const std::vector<std::vector<double>> units{{100, 30}, {200}, {50}};
+  Layout l;
+  l.dp = 2;
+  l.bucket_mb = 1e-6;  // every unit closes its bucket
+  // fp32: 16-element rounding, buckets rounded to 32. Unit 2: 64 -> 64. Unit 1: 208 ->
+  // 224. Unit 0: 112 + 32 = 144 -> 160.
+  plan::Buckets b = plan::bucket_layout(units, l);
+  CHECK(b.size == 448);
+  CHECK(b.shard == 224);
+  CHECK(b.largest == 224);
+  CHECK(b.parameters == 380);
+  CHECK(b.count == 3);
+  l.bucket_mb = 4.0;  // one bucket, closed at unit 0: 64 + 208 + 144 = 416
+  b = plan::bucket_layout(units, l);
+  CHECK(b.size == 416);
+  CHECK(b.shard == 208);
+  CHECK(b.count == 1);
+  l.precision = DType::bf16;  // 32-element rounding: 64 + 224 + 128 + 32 = 448, to 64s
+  b = plan::bucket_layout(units, l);
+  CHECK(b.size == 448);
+}
+
+TEST_CASE("a stage's parameters are the model's, split as the layers split") {
+  const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-124m");
+  Layout l = whole(cfg);
+  double n = 0;
+  for (const auto& u : plan::unit_parameters(cfg, l, 0))
+    for (double x : u) n += x;
+  CHECK(n == static_cast<double>(cfg.num_parameters()));
+  // tp 2: the token table, c_attn, c_fc and both projections' weights halve; the
+  // row-parallel biases, the norms and the position table stay whole.
+  l.tp = 2;
+  n = 0;
+  for (const auto& u : plan::unit_parameters(cfg, l, 0))
+    for (double x : u) n += x;
+  const double C = 768;
+  CHECK(n == 50304 * C / 2 + 1024 * C + 12 * (12 * C * C / 2 + 7 * C / 2 + 6 * C) + 2 * C);
+  // pp 2: the last stage holds the head's copy of the token table and the final norm.
+  l.tp = 1;
+  l.pp = 2;
+  l.partition = pipeline::even_partition(cfg.layers, 2);
+  const auto last = plan::unit_parameters(cfg, l, 1);
+  REQUIRE(last.size() == 6 + 2);
+  CHECK(last.back() == std::vector<double>{50304 * C});
+  CHECK(last[last.size() - 2] == std::vector<double>{C, C});
+}
+
+TEST_CASE("one rank's memory of a model counted by hand") {
+  const models::GPT2Config cfg = tiny();
+  Layout l = whole(cfg);
+  l.micro_batch = 1;
+  const Cluster c = test_cluster();
+  const plan::Memory m = plan::rank_memory(cfg, 4, l, 0, c);
+  // Parameters: wte 128, wpe 32, the block 12·64 + 13·8 = 872, ln_f 16 = 1048; each
+  // rounded to 16 floats: 128, 32 | 16, 16, 192, 32, 64, 16, 16, 16, 256, 32, 256, 16 |
+  // 16, 16 = 1120, one bucket rounded to 16.
+  CHECK(m.parameters == 1120 * 4);
+  CHECK(m.gradients == 1120 * 4);
+  CHECK(m.optimizer == 1048 * 4 * 2);  // both moments, fp32 values are their own master
+  // One stash (R = 4 rows, C = 8, V = 16): residual 2·R·C, the block's Saved (norms
+  // 2·2·R, ln1_out, x_mid, ln2_out R·C each, qkv 3·R·C, fc and gelu 4·R·C each,
+  // att_out R·C, lse 2·4 in f32), tokens R, the final norm 2·R, norm_out R·C, logits
+  // R·V, losses R: 680 values; then the residual gradients 2·R·C and targets, losses R each.
+  CHECK(m.activations == (680 + 64 + 8) * 4);
+  // Scratch: wide0 4·R·C, qkv 3·R·C, c0, c1 R·C each; the loss's stats (1 + tp)·R·3.
+  CHECK(m.workspace == (9 * 32 + 2 * 12) * 4);
+  CHECK(m.communication == 0);
+  CHECK(m.measured_total() == m.parameters + m.gradients + m.optimizer + m.activations + m.workspace);
+
+  // bf16: 2-byte values, f32 gradients, f32 moments and master weights.
+  l.precision = DType::bf16;
+  const plan::Memory h = plan::rank_memory(cfg, 4, l, 0, c);
+  // 32-element rounding: the block's eight small tensors and ln_f's grow to 32 each.
+  CHECK(h.parameters == 1248 * 2);
+  CHECK(h.gradients == 1248 * 4);
+  CHECK(h.optimizer == 1048 * 4 * 3);
+
+  // ZeRO 1 over 4 ranks: moments of a quarter; ZeRO 3: a quarter of the values too.
+  l.precision = DType::f32;
+  l.dp = 4;
+  l.zero = 1;
+  CHECK(plan::rank_memory(cfg, 4, l, 0, c).optimizer == doctest::Approx(1048 * 4 * 2 / 4.0));
+  l.zero = 3;
+  const plan::Memory z3 = plan::rank_memory(cfg, 4, l, 0, c);
+  CHECK(z3.parameters < m.parameters / 3);
+  CHECK(z3.communication > 0);
+}
+
+TEST_CASE("micro-batches in flight come from the schedule itself") {
+  Layout l;
+  l.pp = 4;
+  l.grad_accum = 8;
+  const pipeline::Report one_f_one_b = plan::schedule_report(l);
+  for (int r = 0; r < 4; ++r) CHECK(one_f_one_b.ranks[static_cast<std::size_t>(r)].max_in_flight == 4 - r);
+  l.schedule = "gpipe";
+  CHECK(plan::schedule_report(l).ranks[0].max_in_flight == 8);
+  // 1F1B's makespan with unit costs: (m + p − 1)(F + B).
+  l.schedule = "1f1b";
+  CHECK(plan::schedule_report(l, {.forward = 1, .backward = 2, .weight = 1}).makespan == doctest::Approx(11 * 3));
+}
+
+TEST_CASE("step time: the bubble, recomputation, ZeRO's traffic and MFU") {
+  const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-124m");
+  const Cluster c = test_cluster();
+  Layout l = whole(cfg);
+  l.micro_batch = 4;
+  l.grad_accum = 4;
+  const plan::Time base = plan::step_time(cfg, 1024, l, c);
+  CHECK(base.bubble == 0.0);
+  CHECK(base.data_comm == 0.0);
+  CHECK(base.mfu > 0.0);
+  CHECK(base.mfu < 1.0);
+  // Full recomputation runs every block's forward again (not the LM head's, which holds
+  // a third of GPT-2 small's FLOPs): a fifth to a third more compute.
+  l.recompute = recompute::Mode::full;
+  const plan::Time full = plan::step_time(cfg, 1024, l, c);
+  CHECK(full.compute > 1.15 * base.compute);
+  CHECK(full.compute < 1.35 * base.compute);
+  l.recompute = recompute::Mode::none;
+  // A 1F1B pipeline of p stages idles (p − 1) micro-batch slots of the slowest stage.
+  l.pp = 4;
+  l.partition = pipeline::even_partition(cfg.layers, 4);
+  const plan::Time piped = plan::step_time(cfg, 1024, l, c);
+  CHECK(piped.bubble == doctest::Approx(piped.compute * 3.0 / 4.0).epsilon(1e-9));
+  // Data parallelism: ZeRO 2 reduce-scatters every micro-batch, ZeRO 0 all-reduces once.
+  l.pp = 1;
+  l.partition = pipeline::even_partition(cfg.layers, 1);
+  l.dp = 8;
+  const double z0 = plan::step_time(cfg, 1024, l, c).data_comm;
+  l.zero = 2;
+  const double z2 = plan::step_time(cfg, 1024, l, c).data_comm;
+  CHECK(z0 > 0.0);
+  CHECK(z2 > z0);
+  // dp 8 of 4 GPUs a node spans nodes: slower than dp 4 within one.
+  l.zero = 0;
+  l.dp = 4;
+  const double inside = plan::step_time(cfg, 1024, l, c).data_comm;
+  CHECK(inside < z0);
+}
+
+TEST_CASE("a layout that needs more than the device holds does not fit, and says why") {
+  const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-1.5b");
+  Cluster c = Cluster::preset("h100x8x1");
+  Layout l = whole(cfg);
+  l.micro_batch = 64;
+  l.precision = DType::bf16;
+  const plan::Estimate e = plan::estimate(cfg, 1024, l, c);
+  CHECK_FALSE(e.fits);
+  CHECK(e.why.find("activations") != std::string::npos);
+  l.micro_batch = 1;
+  l.recompute = recompute::Mode::full;
+  CHECK(plan::estimate(cfg, 1024, l, c).fits);
+}
+
+TEST_CASE("cluster presets, files and their errors") {
+  const Cluster h = Cluster::preset("h200x8x4");
+  CHECK(h.devices() == 32);
+  CHECK(h.memory_bytes == 141e9);
+  CHECK(h.bf16.peak_flops == 989e12);
+  CHECK_FALSE(h.shared_node);
+  CHECK(fails_with([] { (void)Cluster::preset("a100x8x2"); }, "unknown cluster 'a100x8x2'"));
+  CHECK(fails_with([] { (void)Cluster::preset("h100x4x2"); }, "use h100x8xN or h200x8xN"));
+  // A file round trip.
+  const auto path = std::filesystem::temp_directory_path() / "llmpar_test_cluster.json";
+  {
+    std::ofstream out(path);
+    out << h.to_json().dump();
+  }
+  const Cluster back = Cluster::named(path.string());
+  CHECK(back.name == h.name);
+  CHECK(back.inter.busbw == h.inter.busbw);
+  CHECK(back.fp16.half == h.fp16.half);
+  {
+    std::ofstream out(path);
+    nlohmann::json j = h.to_json();
+    j.erase("memory_bandwidth");
+    out << j.dump();
+  }
+  CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "memory_bandwidth"));
+  {
+    std::ofstream out(path);
+    nlohmann::json j = h.to_json();
+    j["overlap"] = 2.0;
+    out << j.dump();
+  }
+  CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "overlap is 2"));
+  {
+    std::ofstream out(path);
+    out << "{not json";
+  }
+  CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "is not JSON"));
+  std::filesystem::remove(path);
+  CHECK(fails_with([] { (void)Cluster::named("/nonexistent/cluster.json"); }, "cannot be read"));
+}

@@ -1,0 +1,472 @@
+// Scaling-law fits (plan/scaling.hpp): the Huber loss and the log-sum-exp form at
+// hand-worked values; L-BFGS on Rosenbrock; both objectives' analytic gradients against
+// central differences; the power law in compute and Chinchilla's approach 3 recover the
+// parameters of synthetic losses (exactly without noise, within stated tolerances with
+// 0.5% noise, the bootstrap interval covering the truth); the compute-optimal allocation
+// at hand-worked values; every refusal by its message; the bootstrap is a function of
+// its seed; the report survives JSON exactly and writes its CSV.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "llmpar/core/error.hpp"
+#include "llmpar/core/rng.hpp"
+#include "llmpar/plan/scaling.hpp"
+
+using namespace llmpar;
+using plan::ScalingRun;
+
+namespace {
+
+double relative(double got, double want) { return std::abs(got - want) / std::abs(want); }
+
+// L(C) = a·C^b + c at 6 budgets from 1e17 to 1e20 FLOPs (1000x), each loss times
+// exp(noise·z) with z standard normal from the seed.
+constexpr double kA = 200.0, kB = -0.12, kC = 1.7;
+double power_law(double flops) { return kA * std::pow(flops, kB) + kC; }
+std::vector<ScalingRun> power_law_runs(double noise = 0.0, std::uint64_t seed = 7) {
+  const rng::Stream z(seed);
+  std::vector<ScalingRun> runs;
+  for (int i = 0; i < 6; ++i) {
+    const double flops = std::pow(10.0, 17.0 + 0.6 * i);
+    const double params = std::sqrt(flops / 120.0);  // 20 tokens per parameter
+    runs.push_back({detail::concat("run", i), params, flops / (6.0 * params), flops,
+                    power_law(flops) * std::exp(noise * z.normal(static_cast<std::uint64_t>(i)))});
+  }
+  return runs;
+}
+
+// Hoffmann et al. 2022's own fit.
+constexpr double kE = 1.69, kAn = 406.4, kBd = 410.7, kAlpha = 0.34, kBeta = 0.28;
+double chinchilla(double n, double d) { return kE + kAn / std::pow(n, kAlpha) + kBd / std::pow(d, kBeta); }
+// 5 sizes from 1e7 to 1e9 parameters x 5 ratios from 5 to 80 tokens per parameter.
+std::vector<ScalingRun> chinchilla_runs(double noise = 0.0, std::uint64_t seed = 11) {
+  const rng::Stream z(seed);
+  std::vector<ScalingRun> runs;
+  for (int i = 0; i < 5; ++i) {
+    for (int k = 0; k < 5; ++k) {
+      const double n = std::pow(10.0, 7.0 + 0.5 * i), d = n * 5.0 * std::pow(2.0, k);
+      const auto index = static_cast<std::uint64_t>(runs.size());
+      runs.push_back(
+          {detail::concat("n", i, "r", k), n, d, 6.0 * n * d, chinchilla(n, d) * std::exp(noise * z.normal(index))});
+    }
+  }
+  return runs;
+}
+
+// Central differences of an objective f(θ, grad) at θ.
+template <std::size_t kDim, class F>
+std::array<double, kDim> numeric_gradient(const F& f, std::array<double, kDim> th) {
+  std::array<double, kDim> g{}, unused{};
+  for (std::size_t i = 0; i < kDim; ++i) {
+    const double h = 1e-6 * std::max(1.0, std::abs(th[i]));
+    const double x = th[i];
+    th[i] = x + h;
+    const double up = f(th, unused);
+    th[i] = x - h;
+    const double down = f(th, unused);
+    th[i] = x;
+    g[i] = (up - down) / (2.0 * h);
+  }
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("huber loss and its derivative at hand-worked values") {
+  const double d = 1e-3;
+  CHECK(plan::huber(5e-4, d) == doctest::Approx(1.25e-7).epsilon(1e-12));  // r²/2
+  CHECK(plan::huber(3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));   // δ(|r| − δ/2) = 1e-3·2.5e-3
+  CHECK(plan::huber(-3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));
+  CHECK(plan::huber(0.0, d) == 0.0);
+  CHECK(plan::huber(d, d) == doctest::Approx(5e-7).epsilon(1e-12));  // both pieces meet at δ
+  CHECK(plan::huber(std::nextafter(d, 1.0), d) == doctest::Approx(5e-7).epsilon(1e-9));
+  CHECK(plan::huber_derivative(5e-4, d) == 5e-4);
+  CHECK(plan::huber_derivative(-5e-4, d) == -5e-4);
+  CHECK(plan::huber_derivative(3e-3, d) == 1e-3);
+  CHECK(plan::huber_derivative(-3e-3, d) == -1e-3);
+  CHECK(plan::huber(2.0, 0.5) == doctest::Approx(0.875));  // 0.5·(2 − 0.25)
+}
+
+TEST_CASE("the log-sum-exp form equals E + A/N^alpha + B/D^beta") {
+  const plan::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
+  for (double n : {1e6, 3e8, 7e10}) {
+    for (double d : {2e7, 6e9, 1.4e12}) {
+      const double lse =
+          plan::log_sum_exp(std::log(kAn) - kAlpha * std::log(n), std::log(kBd) - kBeta * std::log(d), std::log(kE));
+      CHECK(std::exp(lse) == doctest::Approx(f.predict(n, d)).epsilon(1e-13));
+    }
+  }
+  // And the objective's own form (centred logs, parameters as logs): zero at losses
+  // that are E + A/N^α + B/D^β exactly, but not at losses 1% off.
+  std::vector<ScalingRun> runs;
+  for (double n : {1e6, 3e8, 7e10}) runs.push_back({"r", n, 20.0 * n, 120.0 * n * n, f.predict(n, 20.0 * n)});
+  const auto data = plan::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
+  const auto th = plan::detail::chinchilla_theta(data, f);
+  std::array<double, 5> g{};
+  CHECK(plan::detail::chinchilla_objective(data, th, g) < 1e-28);
+  for (ScalingRun& r : runs) r.loss *= 1.01;
+  const auto off = plan::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
+  CHECK(plan::detail::chinchilla_objective(off, th, g) == doctest::Approx(3 * plan::huber(std::log(1.01), 1e-3)));
+  // Stable where e^x overflows.
+  CHECK(plan::log_sum_exp(1000.0, 1000.0, -5.0) == doctest::Approx(1000.0 + std::log(2.0 + std::exp(-1005.0))));
+}
+
+TEST_CASE("L-BFGS finds the minimum of the Rosenbrock function") {
+  const auto rosenbrock = [](const std::array<double, 2>& x, std::array<double, 2>& g) {
+    const double a = 1.0 - x[0], b = x[1] - x[0] * x[0];
+    g = {-2.0 * a - 400.0 * x[0] * b, 200.0 * b};
+    return a * a + 100.0 * b * b;
+  };
+  const auto r = plan::detail::minimize_lbfgs<2>(rosenbrock, {-1.2, 1.0}, plan::LbfgsOptions{});
+  CHECK(r.converged);
+  CHECK(r.x[0] == doctest::Approx(1.0).epsilon(1e-6));
+  CHECK(r.x[1] == doctest::Approx(1.0).epsilon(1e-6));
+  CHECK(r.iterations < 100);
+}
+
+TEST_CASE("power-law objective: the analytic gradient equals central differences") {
+  const std::vector<ScalingRun> runs = power_law_runs(0.01);
+  // Multiplicities as a resample has them (one run left out, one drawn twice).
+  const auto d = plan::detail::power_law_data(runs, {1, 2, 0, 1, 1, 1}, 1e-3);
+  const auto f = [&](const std::array<double, 3>& th, std::array<double, 3>& g) {
+    return plan::detail::power_law_objective(d, th, g);
+  };
+  // Away from the optimum (every residual past δ) and near it (some within δ).
+  for (const std::array<double, 3> th : {std::array<double, 3>{0.3, -0.2, 0.4}, {0.165, -0.276, 0.9}}) {
+    std::array<double, 3> g{};
+    f(th, g);
+    const auto numeric = numeric_gradient<3>(f, th);
+    for (int i = 0; i < 3; ++i) CHECK(g[i] == doctest::Approx(numeric[i]).epsilon(1e-6).scale(1e-9));
+  }
+}
+
+TEST_CASE("Chinchilla objective: the analytic gradient equals central differences") {
+  const std::vector<ScalingRun> runs = chinchilla_runs(0.01);
+  std::vector<double> weight(runs.size(), 1.0);
+  weight[3] = 0.0;
+  weight[7] = 3.0;
+  const auto d = plan::detail::chinchilla_data(runs, weight, 1e-3);
+  const auto f = [&](const std::array<double, 5>& th, std::array<double, 5>& g) {
+    return plan::detail::chinchilla_objective(d, th, g);
+  };
+  for (const std::array<double, 5> th :
+       {plan::detail::chinchilla_theta(d, 5.0, 6.5, 0.6, 0.4, 0.2),
+        plan::detail::chinchilla_theta(d, std::log(kAn), std::log(kBd), std::log(kE), kAlpha, kBeta)}) {
+    std::array<double, 5> g{};
+    f(th, g);
+    const auto numeric = numeric_gradient<5>(f, th);
+    for (int i = 0; i < 5; ++i) CHECK(g[i] == doctest::Approx(numeric[i]).epsilon(1e-6).scale(1e-9));
+  }
+}
+
+TEST_CASE("power law: exact losses give back a, b and c") {
+  const plan::PowerLawFit fit = plan::fit_power_law(power_law_runs());
+  CHECK(relative(fit.a, kA) < 1e-4);
+  CHECK(relative(fit.b, kB) < 1e-4);
+  CHECK(relative(fit.c, kC) < 1e-4);
+  CHECK(fit.objective < 1e-12);
+  CHECK(relative(fit.predict(1e21), power_law(1e21)) < 1e-6);
+}
+
+TEST_CASE("power law: with 0.5% noise the fit is close and the 95% interval at 10x the compute covers the truth") {
+  const std::vector<ScalingRun> runs = power_law_runs(0.005);
+  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  // Over 1000x of compute b and c trade against each other (this seed's fit has b =
+  // -0.101, c = 1.456): the curve is pinned more tightly than either. The bounds are the
+  // 99th percentiles over 200 noise seeds (0.046, 40% and 2.8%).
+  CHECK(std::abs(fit.b - kB) < 0.05);
+  CHECK(relative(fit.c, kC) < 0.4);
+  for (double flops : {1e17, 1e18, 1e19, 1e20, 1e21}) CHECK(relative(fit.predict(flops), power_law(flops)) < 0.03);
+
+  plan::BootstrapOptions options;
+  options.seed = 3;
+  const plan::PowerLawBootstrap boot = plan::bootstrap_power_law(runs, fit, options);
+  CHECK(boot.samples.size() + static_cast<std::size_t>(boot.degenerate) == 400u);
+  CHECK(boot.degenerate > 0);  // 6 runs: 2% of the resamples keep fewer than 3
+  const plan::Interval at = boot.predict(1e21);
+  CHECK(at.lo <= power_law(1e21));
+  CHECK(power_law(1e21) <= at.hi);
+  // An interval, not everything: its width is 9% of the loss at the median seed, 18%
+  // at the 99th percentile (and it covered the truth for 197 of 200 seeds).
+  CHECK(at.hi - at.lo < 0.2 * power_law(1e21));
+  CHECK(boot.b.lo <= kB);
+  CHECK(kB <= boot.b.hi);
+}
+
+TEST_CASE("Chinchilla: exact losses from the paper's fit give back its parameters") {
+  const plan::ChinchillaFit fit = plan::fit_chinchilla(chinchilla_runs());
+  CHECK(relative(fit.E, kE) < 1e-4);
+  CHECK(relative(fit.A, kAn) < 1e-3);
+  CHECK(relative(fit.B, kBd) < 1e-3);
+  CHECK(relative(fit.alpha, kAlpha) < 1e-4);
+  CHECK(relative(fit.beta, kBeta) < 1e-4);
+}
+
+TEST_CASE("Chinchilla: with 0.5% noise the fit is close and the bootstrap intervals cover the truth") {
+  const std::vector<ScalingRun> runs = chinchilla_runs(0.005);
+  const plan::ChinchillaFit fit = plan::fit_chinchilla(runs);
+  // The bounds hold for 30 of 30 noise seeds (largest misses 0.063, 0.019, 8.5% and 2.5%;
+  // this seed's: 0.017, 0.003, 1.7% and 0.5%), as do the intervals below.
+  CHECK(std::abs(fit.alpha - kAlpha) < 0.07);
+  CHECK(std::abs(fit.beta - kBeta) < 0.03);
+  CHECK(relative(fit.E, kE) < 0.1);
+  CHECK(relative(fit.predict(1e10, 2e11), chinchilla(1e10, 2e11)) < 0.03);  // 10x beyond the largest N
+
+  plan::BootstrapOptions options;
+  options.resamples = 100;
+  options.seed = 5;
+  const plan::ChinchillaBootstrap boot = plan::bootstrap_chinchilla(runs, fit, options);
+  CHECK(boot.degenerate == 0);  // 25 runs: every resample keeps enough of them
+  CHECK(boot.samples.size() == 100u);
+  CHECK(boot.alpha.lo <= kAlpha);
+  CHECK(kAlpha <= boot.alpha.hi);
+  CHECK(boot.beta.lo <= kBeta);
+  CHECK(kBeta <= boot.beta.hi);
+  const plan::Interval at = boot.predict(1e10, 2e11);
+  CHECK(at.lo <= chinchilla(1e10, 2e11));
+  CHECK(chinchilla(1e10, 2e11) <= at.hi);
+}
+
+TEST_CASE("Chinchilla: the compute-optimal allocation at hand-worked values") {
+  const plan::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
+  // G = (0.34·406.4 / (0.28·410.7))^(1/0.62) = (138.176 / 114.996)^1.6129 = 1.344711.
+  CHECK(f.allocation_coefficient() == doctest::Approx(1.344711).epsilon(1e-6));
+  // C = 6e21: C/6 = 1e21, (1e21)^(0.28/0.62) = 10^9.483871 = 3.04699e9, times G.
+  CHECK(f.params_optimal(6e21) == doctest::Approx(4.09732e9).epsilon(1e-5));
+  CHECK(f.tokens_optimal(6e21) == doctest::Approx(1e21 / 4.09732e9).epsilon(1e-5));  // 2.44062e11
+  // Gopher's budget, 5.76e23 FLOPs: 32.19B parameters on 2.982T tokens.
+  CHECK(f.params_optimal(5.76e23) == doctest::Approx(3.21899e10).epsilon(1e-5));
+  CHECK(f.tokens_optimal(5.76e23) == doctest::Approx(2.98231e12).epsilon(1e-5));
+  // And it is the minimum along 6ND = C: moving N either way by 1% raises the loss.
+  const double c = 6e21, n = f.params_optimal(c);
+  const double best = f.predict(n, c / (6.0 * n));
+  CHECK(best < f.predict(1.01 * n, c / (6.0 * 1.01 * n)));
+  CHECK(best < f.predict(0.99 * n, c / (6.0 * 0.99 * n)));
+}
+
+TEST_CASE("Chinchilla refuses runs that cannot identify it, and says what would") {
+  // Every run at 20 tokens per parameter (the Chinchilla-optimal recipe): A/N^α and
+  // B/D^β move together.
+  std::vector<ScalingRun> collinear;
+  for (int i = 0; i < 8; ++i) {
+    const double n = std::pow(10.0, 7.0 + 0.3 * i), d = 20.0 * n * (1.0 + 0.02 * (i % 2));
+    collinear.push_back({detail::concat("c", i), n, d, 6.0 * n * d, chinchilla(n, d)});
+  }
+  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(collinear), doctest::Contains("about the same tokens per parameter"),
+                       Error);
+  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(collinear), doctest::Contains("two or more tokens-per-parameter ratios"),
+                       Error);
+  // One model size, many token counts: A/N^α is a constant, as E is.
+  std::vector<ScalingRun> one_size;
+  for (int k = 0; k < 6; ++k) one_size.push_back({detail::concat("s", k), 1e8, 1e9 * (k + 1), 6e17 * (k + 1), 3.0});
+  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(one_size), doctest::Contains("two or more model sizes"), Error);
+  // Too few runs.
+  const std::vector<ScalingRun> runs = chinchilla_runs();
+  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(std::span(runs).first(5)),
+                       doctest::Contains("5 runs, but E + A/N^alpha + B/D^beta has 5 parameters and needs at least 6"),
+                       Error);
+}
+
+TEST_CASE("the power law refuses too few runs, bad values, and losses that do not fall") {
+  std::vector<ScalingRun> runs = power_law_runs();
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(std::span(runs).first(3)),
+                       doctest::Contains("3 runs, but L(C) = a*C^b + c has 3 parameters and needs at least 4"), Error);
+  std::vector<ScalingRun> two_budgets = runs;
+  for (ScalingRun& r : two_budgets) r.flops = r.flops < 1e18 ? 1e17 : 1e19;
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(two_budgets), doctest::Contains("2 distinct compute budget(s)"), Error);
+  std::vector<ScalingRun> bad = runs;
+  bad[2].loss = -1.0;
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(bad), doctest::Contains("run 'run2' (3 of 6) has loss = -1"), Error);
+  bad = runs;
+  bad[4].flops = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(bad), doctest::Contains("run 'run4' (5 of 6) has flops = nan"), Error);
+  bad = runs;
+  bad[1].tokens = 0.0;
+  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(bad), doctest::Contains("run 'run1' (2 of 6) has tokens = 0"), Error);
+  // Options are checked once, naming the field.
+  plan::PowerLawOptions options;
+  options.irreducible_starts = {0.5, 1.2};
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(runs, options), doctest::Contains("irreducible start 1.2"), Error);
+  CHECK_THROWS_WITH_AS(plan::bootstrap_power_law(runs, plan::fit_power_law(runs), {.resamples = 5}),
+                       doctest::Contains("bootstrap resamples 5; percentile intervals need at least 20"), Error);
+  std::vector<ScalingRun> rising = runs;
+  for (ScalingRun& r : rising) r.loss = 2.0 + 0.1 * std::log10(r.flops / 1e17);
+  CHECK_THROWS_WITH_AS(plan::fit_power_law(rising), doctest::Contains("the losses do not fall with compute"), Error);
+}
+
+TEST_CASE("the bootstrap is a function of its seed, and its intervals hold the fit") {
+  const std::vector<ScalingRun> runs = power_law_runs(0.005);
+  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  plan::BootstrapOptions options;
+  options.resamples = 60;
+  options.seed = 42;
+  const plan::PowerLawBootstrap one = plan::bootstrap_power_law(runs, fit, options);
+  const plan::PowerLawBootstrap two = plan::bootstrap_power_law(runs, fit, options);
+  REQUIRE(one.samples.size() == two.samples.size());
+  CHECK(one.degenerate == two.degenerate);
+  for (std::size_t i = 0; i < one.samples.size(); ++i) {
+    CHECK(one.samples[i].a == two.samples[i].a);
+    CHECK(one.samples[i].b == two.samples[i].b);
+    CHECK(one.samples[i].c == two.samples[i].c);
+  }
+  options.seed = 43;
+  const plan::PowerLawBootstrap other = plan::bootstrap_power_law(runs, fit, options);
+  CHECK((other.degenerate != one.degenerate || other.b.lo != one.b.lo || other.b.hi != one.b.hi));
+
+  for (const auto& [interval, value] : {std::pair{one.a, fit.a}, {one.b, fit.b}, {one.c, fit.c}}) {
+    CHECK(interval.lo <= value);
+    CHECK(value <= interval.hi);
+  }
+  for (double flops : {1e17, 1e19, 1e21}) {
+    const plan::Interval i = one.predict(flops);
+    CHECK(i.lo <= fit.predict(flops));
+    CHECK(fit.predict(flops) <= i.hi);
+  }
+  // A wider confidence gives a wider interval from the same resamples.
+  options.seed = 42;
+  options.confidence = 0.5;
+  const plan::PowerLawBootstrap narrow = plan::bootstrap_power_law(runs, fit, options);
+  CHECK(narrow.b.lo >= one.b.lo);
+  CHECK(narrow.b.hi <= one.b.hi);
+  CHECK(narrow.b.hi - narrow.b.lo < one.b.hi - one.b.lo);
+}
+
+TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, predictions, band, exact JSON") {
+  // The rule: 20 tokens per parameter; the other ratios are for Chinchilla alone (at a
+  // given compute they sit above the rule's frontier).
+  const std::vector<ScalingRun> runs = chinchilla_runs(0.003);
+  std::vector<ScalingRun> rule, other;
+  for (const ScalingRun& r : runs) (std::abs(r.tokens / r.params - 20.0) < 1e-9 ? rule : other).push_back(r);
+  REQUIRE(rule.size() == 5u);
+  const ScalingRun held{"held 3e9", 3e9, 6e10, 6.0 * 3e9 * 6e10, chinchilla(3e9, 6e10)};
+  plan::ReportOptions options;
+  options.bootstrap.resamples = 40;
+  options.band_points = 16;
+  options.chinchilla.starts = {{0.5}, {0.5}, {0.0, 1.0}, {5.0, 10.0}, {5.0, 10.0}};  // the grid is tested above
+  plan::ScalingReport report = plan::make_report(rule, {held}, options, other);
+  const plan::PowerLawFit alone = plan::fit_power_law(rule, options.power_law);
+  CHECK(report.power_law.fit.a == alone.a);
+  CHECK(report.power_law.fit.b == alone.b);
+  CHECK(report.power_law.fit.c == alone.c);
+  CHECK_FALSE(plan::detail::chinchilla_refusal(rule).empty());  // the rule's runs alone cannot identify it
+  report.lr_sweep = {{plan::Parametrization::sp, 256, 1e-3, 3.2},
+                     {plan::Parametrization::mup, 512, 3e-3, 3.1},
+                     {plan::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
+  REQUIRE(report.chinchilla.has_value());
+  CHECK(report.chinchilla_note.empty());
+  REQUIRE(report.predictions.size() == 1u);
+  const plan::HeldOutPrediction& p = report.predictions[0];
+  CHECK(p.achieved == held.loss);
+  CHECK(p.power_law.lo <= p.power_law.value);
+  CHECK(p.power_law.value <= p.power_law.hi);
+  REQUIRE(p.chinchilla.has_value());
+  CHECK(std::abs(p.chinchilla_relative_error()) < 0.01);  // the law the data came from
+  REQUIRE(report.band.size() == 16u);
+  CHECK(report.band.front().flops == doctest::Approx(runs.front().flops / 1.5));
+  CHECK(report.band.back().flops == doctest::Approx(held.flops * 1.5));
+  for (const plan::BandPoint& b : report.band) {
+    CHECK(b.lo <= b.loss);
+    CHECK(b.loss <= b.hi);
+  }
+
+  const nlohmann::json j = plan::to_json(report);
+  const nlohmann::json again = plan::to_json(plan::from_json(nlohmann::json::parse(j.dump())));
+  CHECK(again == j);
+  CHECK(j.at("lr_sweep").at(2).at("loss").is_null());
+  const plan::ScalingReport back = plan::from_json(nlohmann::json::parse(j.dump()));
+  CHECK(std::isnan(back.lr_sweep[2].loss));
+  CHECK(back.lr_sweep[1].parametrization == plan::Parametrization::mup);
+  CHECK(back.power_law.bootstrap.samples.size() == report.power_law.bootstrap.samples.size());
+  CHECK(back.power_law.bootstrap.predict(1e21).lo == report.power_law.bootstrap.predict(1e21).lo);
+  CHECK(back.chinchilla->fit.alpha == report.chinchilla->fit.alpha);
+  CHECK(back.chinchilla_only_runs.size() == 20u);
+  // What tools/plot_scaling.py reads.
+  for (const char* key : {"fit_runs", "held_out", "chinchilla_only_runs", "power_law", "chinchilla", "chinchilla_note",
+                          "band", "held_out_predictions", "lr_sweep"})
+    CHECK_MESSAGE(j.contains(key), key);
+  CHECK(j.at("held_out_predictions").at(0).at("relative_error").get<double>() == doctest::Approx(p.relative_error()));
+
+  // A broken file names what is wrong.
+  nlohmann::json broken = j;
+  broken["fit_runs"][1].erase("loss");
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("fit_runs[1] has no field \"loss\""), Error);
+  broken = j;
+  broken["power_law"]["bootstrap"]["a"]["low"] = 1.0;
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("power_law.bootstrap.a has an unknown field \"low\""),
+                       Error);
+  broken = j;
+  broken["lr_sweep"][0]["parametrization"] = "ntk";
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("lr_sweep[0].parametrization is \"ntk\""), Error);
+  broken = j;
+  broken["format"] = "llmpar-checkpoint";
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("expected \"llmpar-scaling-report\""), Error);
+}
+
+TEST_CASE("the report without a Chinchilla fit says why") {
+  plan::ReportOptions options;
+  options.bootstrap.resamples = 40;
+  const std::vector<ScalingRun> runs = power_law_runs(0.002);  // all at 20 tokens per parameter
+  const double flops = 1e21, params = std::sqrt(flops / 120.0);
+  const plan::ScalingReport report =
+      plan::make_report(runs, {{"held", params, flops / (6.0 * params), flops, power_law(flops)}}, options);
+  CHECK_FALSE(report.chinchilla.has_value());
+  CHECK(report.chinchilla_note.find("about the same tokens per parameter") != std::string::npos);
+  REQUIRE(report.predictions.size() == 1u);
+  CHECK_FALSE(report.predictions[0].chinchilla.has_value());
+  CHECK(std::abs(report.predictions[0].relative_error()) < 0.01);
+  CHECK(report.predictions[0].power_law.lo <= power_law(flops));
+  CHECK(power_law(flops) <= report.predictions[0].power_law.hi);
+  const nlohmann::json j = plan::to_json(report);
+  CHECK(j.at("chinchilla").is_null());
+  CHECK(plan::to_json(plan::from_json(j)) == j);
+}
+
+TEST_CASE("the report notes a Chinchilla bootstrap with too few usable resamples, and keeps the power law") {
+  // 6 runs identify Chinchilla, but a resample keeps 5 or 6 distinct ones a quarter of
+  // the time: about 5 of 20 resamples are usable, fewer than the 10 an interval needs.
+  const std::vector<ScalingRun> all = chinchilla_runs();
+  const std::vector<ScalingRun> six = {all[0], all[4], all[12], all[16], all[20], all[24]};
+  plan::ReportOptions options;
+  options.bootstrap.resamples = 20;
+  options.chinchilla.starts = {{0.5}, {0.5}, {0.0, 1.0}, {5.0, 10.0}, {5.0, 10.0}};
+  const plan::ScalingReport report = plan::make_report(six, {}, options);
+  CHECK_FALSE(report.chinchilla.has_value());
+  CHECK(report.chinchilla_note.find("Chinchilla bootstrap: only") != std::string::npos);
+  CHECK(report.chinchilla_note.find(" of 20 resamples could be fitted") != std::string::npos);
+  const plan::PowerLawBootstrap& power_law = report.power_law.bootstrap;
+  CHECK(power_law.samples.size() + static_cast<std::size_t>(power_law.degenerate) == 20u);
+  CHECK(power_law.samples.size() >= 16u);  // 6 budgets: 98% of resamples keep 3
+  CHECK_THROWS_WITH_AS(plan::bootstrap_chinchilla(six, plan::fit_chinchilla(six, options.chinchilla), options.bootstrap,
+                                                  options.chinchilla),
+                       doctest::Contains("add runs, so that most resamples keep enough of them"), Error);
+}
+
+TEST_CASE("CSV: a header and one row per run, with its role") {
+  const std::vector<ScalingRun> fit = {{"tiny", 1.5e6, 3e7, 2.7e14, 4.25},
+                                       {"name, with \"quotes\"", 2e6, 4e7, 4.8e14, 4.0}};
+  const std::vector<ScalingRun> held = {{"big", 1e8, 2e9, 1.2e18, 3.125}};
+  const std::vector<ScalingRun> other = {{"tiny x4", 1.5e6, 1.2e8, 1.08e15, 4.0}};
+  std::ostringstream out;
+  plan::write_csv(out, fit, held, other);
+  CHECK(out.str() ==
+        "name,params,tokens,flops,loss,role\n"
+        "tiny,1500000,3e+07,2.7e+14,4.25,fit\n"
+        "\"name, with \"\"quotes\"\"\",2e+06,4e+07,4.8e+14,4,fit\n"
+        "tiny x4,1500000,1.2e+08,1.08e+15,4,chinchilla_only\n"
+        "big,1e+08,2e+09,1.2e+18,3.125,held_out\n");
+  // Shortest form, but exact.
+  std::ostringstream third;
+  plan::write_csv(third, std::vector<ScalingRun>{{"x", 1.0 / 3.0, 2.0, 3.0, 0.1}});
+  CHECK(third.str() == "name,params,tokens,flops,loss,role\nx,0.3333333333333333,2,3,0.1,fit\n");
+}
