@@ -299,7 +299,7 @@ int run_sweep(const SweepConfig& c) {
           r.mup = mup;
           r.mup_base = base_width;
           char name[64];
-          std::snprintf(name, sizeof name, "%s-C%lld-lr%.0e", mup ? "mup" : "sp", static_cast<long long>(width), lr);
+          std::snprintf(name, sizeof name, "%s-C%lld-lr%.3g", mup ? "mup" : "sp", static_cast<long long>(width), lr);
           r.name = name;
           runs.push_back(r);
         }

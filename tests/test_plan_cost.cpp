@@ -49,6 +49,9 @@ Cluster test_cluster() {
   c.bf16 = {400e12, 0.0};
   c.fp16 = {400e12, 0.0};
   c.memory_bandwidth = 2e12;
+  c.fp32_kernels = {1.4e12, 50e12};
+  c.bf16_kernels = {1.4e12, 160e12};
+  c.fp16_kernels = c.bf16_kernels;
   c.intra = {100e9, 1e-5};
   c.inter = {10e9, 1e-5};
   c.overlap = 0.5;

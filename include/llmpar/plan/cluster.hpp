@@ -56,6 +56,14 @@ struct Gemm {
   double seconds(double m, double n, double k) const { return 2.0 * m * n * k / flops_per_second(m, n, k); }
 };
 
+// What the rest of a step runs at, per precision: the element-wise kernels (norms,
+// GELU, residual adds: bytes of activations read and written per second, conversions of
+// 16-bit values included) and the attention core (its causal FLOPs per second).
+struct Kernels {
+  double elementwise = 0.0;  // bytes/s
+  double attention = 0.0;    // FLOP/s
+};
+
 // One kind of link: the bus bandwidth a large collective reaches, and one message's latency.
 struct Link {
   double busbw = 0.0;    // bytes/s (nccl-tests' busbw)
@@ -66,16 +74,20 @@ struct Cluster {
   std::string name;
   int nodes = 1;
   int devices_per_node = 1;
-  double memory_bytes = 0.0;      // per device (per node when shared)
-  double reserved_bytes = 0.0;    // per device, not the run's: a CUDA context, NCCL's buffers
-  Gemm fp32, bf16, fp16;          // GEMMs by storage precision
-  double memory_bandwidth = 0.0;  // bytes/s per device (per node when shared)
+  double memory_bytes = 0.0;                         // per device (per node when shared)
+  double reserved_bytes = 0.0;                       // per device, not the run's: a CUDA context, NCCL's buffers
+  Gemm fp32, bf16, fp16;                             // GEMMs by storage precision
+  Kernels fp32_kernels, bf16_kernels, fp16_kernels;  // the rest, by storage precision
+  double memory_bandwidth = 0.0;                     // bytes/s per device (per node when shared)
   Link intra, inter;
   bool shared_node = false;
   double overlap = 0.0;              // the fraction of data-parallel communication hidden under backward
   double collective_overhead = 0.0;  // seconds of compute one communication-thread collective costs
 
   int devices() const { return nodes * devices_per_node; }
+  const Kernels& kernels(DType storage) const {
+    return storage == DType::bf16 ? bf16_kernels : storage == DType::f16 ? fp16_kernels : fp32_kernels;
+  }
   const Gemm& gemm(DType storage) const {
     switch (storage) {
       case DType::bf16:
@@ -95,6 +107,11 @@ struct Cluster {
     for (const auto& [g, what] : {std::pair{&fp32, "fp32"}, std::pair{&bf16, "bf16"}, std::pair{&fp16, "fp16"}})
       LLMPAR_CHECK(g->peak_flops > 0.0 && g->half >= 0.0, "cluster '", name, "': the ", what, " GEMM peak is ",
                    g->peak_flops, " FLOP/s with half size ", g->half, "; give a positive peak and a half size >= 0");
+    for (const auto& [k, what] :
+         {std::pair{&fp32_kernels, "fp32"}, std::pair{&bf16_kernels, "bf16"}, std::pair{&fp16_kernels, "fp16"}})
+      LLMPAR_CHECK(k->elementwise > 0.0 && k->attention > 0.0, "cluster '", name, "': the ", what,
+                   " kernels' rates are ", k->elementwise, " B/s element-wise and ", k->attention,
+                   " FLOP/s attention; give positive rates");
     LLMPAR_CHECK(memory_bandwidth > 0.0, "cluster '", name, "': memory_bandwidth is ", memory_bandwidth,
                  "; give bytes per second");
     LLMPAR_CHECK(intra.busbw > 0.0 && inter.busbw > 0.0 && intra.latency >= 0.0 && inter.latency >= 0.0, "cluster '",
@@ -125,6 +142,11 @@ struct Cluster {
       c.fp16 = {989e12, 512.0};
       c.fp32 = {67e12, 128.0};
       c.memory_bandwidth = h200 ? 4.8e12 : 3.35e12;
+      // Element-wise kernels at 70% of HBM bandwidth; flash attention at 40% of the
+      // tensor cores' peak in 16 bits, its SIMT fp32 path at half the fp32 peak.
+      c.fp32_kernels = {0.7 * c.memory_bandwidth, 0.5 * c.fp32.peak_flops};
+      c.bf16_kernels = {0.7 * c.memory_bandwidth, 0.4 * c.bf16.peak_flops};
+      c.fp16_kernels = c.bf16_kernels;
       c.intra = {360e9, 8e-6};
       c.inter = {45e9, 15e-6};
       c.shared_node = false;
@@ -155,6 +177,9 @@ struct Cluster {
 
   nlohmann::json to_json() const {
     auto gemm_json = [](const Gemm& g) { return nlohmann::json{{"peak_flops", g.peak_flops}, {"half", g.half}}; };
+    auto kernels_json = [](const Kernels& k) {
+      return nlohmann::json{{"elementwise", k.elementwise}, {"attention", k.attention}};
+    };
     auto link_json = [](const Link& l) { return nlohmann::json{{"busbw", l.busbw}, {"latency", l.latency}}; };
     return {{"name", name},
             {"nodes", nodes},
@@ -162,6 +187,10 @@ struct Cluster {
             {"memory_bytes", memory_bytes},
             {"reserved_bytes", reserved_bytes},
             {"gemm", {{"fp32", gemm_json(fp32)}, {"bf16", gemm_json(bf16)}, {"fp16", gemm_json(fp16)}}},
+            {"kernels",
+             {{"fp32", kernels_json(fp32_kernels)},
+              {"bf16", kernels_json(bf16_kernels)},
+              {"fp16", kernels_json(fp16_kernels)}}},
             {"memory_bandwidth", memory_bandwidth},
             {"intra", link_json(intra)},
             {"inter", link_json(inter)},
@@ -185,6 +214,13 @@ struct Cluster {
       c.fp32 = gemm("fp32");
       c.bf16 = gemm("bf16");
       c.fp16 = gemm("fp16");
+      auto kernels = [&](const char* key) {
+        const auto& k = j.at("kernels").at(key);
+        return Kernels{k.at("elementwise").get<double>(), k.at("attention").get<double>()};
+      };
+      c.fp32_kernels = kernels("fp32");
+      c.bf16_kernels = kernels("bf16");
+      c.fp16_kernels = kernels("fp16");
       c.memory_bandwidth = j.at("memory_bandwidth").get<double>();
       auto link = [&](const char* key) {
         return Link{j.at(key).at("busbw").get<double>(), j.at(key).at("latency").get<double>()};

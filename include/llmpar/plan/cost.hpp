@@ -17,7 +17,8 @@
 //  - Time is compute, communication and bubble. Compute is every GEMM of the step at
 //    its own shape on the cluster's GEMM curve (plan/cluster.hpp: small products, as
 //    tensor parallelism makes them, run below the peak), plus memory-bound work
-//    (norms, activations, attention's softmax, the optimizer) at the memory bandwidth.
+//    (norms, GELU, residual adds, the loss) at the cluster's element-wise rate, the
+//    attention core at its own rate, and the optimizer at the memory bandwidth.
 //    Communication is each collective's bytes over the busbw of the link its group
 //    spans (comm::bus_factor: the same definition the collective benchmarks report)
 //    plus a latency per ring step. The pipeline's bubble is pipeline::simulate's
@@ -311,6 +312,8 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   Gemm gemm = c.gemm(l.precision);
   gemm.peak_flops /= share;
   const double bandwidth = c.memory_bandwidth / share;
+  const Kernels& kernels = c.kernels(l.precision);
+  const double elementwise_rate = kernels.elementwise / share, attention_rate = kernels.attention / share;
   const bool selective = l.recompute == recompute::Mode::selective, full = l.recompute == recompute::Mode::full;
   const Link& tp_link = group_link(c, l.tp, 1);
   const Link& dp_link = group_link(c, l.dp, l.tp);
@@ -324,8 +327,8 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   const double gemms = linear(s.C, 3 * s.Cl) + linear(s.Cl, s.C) + linear(s.C, 4 * s.Cl) + linear(4 * s.Cl, s.C);
   const double head_dim = s.C / static_cast<double>(cfg.heads);
   const double attention_flops = 2.0 * s.B * s.NHl * s.S * s.S * head_dim;  // 4·B·NH·S²·d, half of it causal
-  const double attention = attention_flops / gemm.flops_per_second(s.S, s.S, head_dim);
-  const double elementwise = detail::block_saved_bytes(s, false) / bandwidth;
+  const double attention = attention_flops / attention_rate;
+  const double elementwise = detail::block_saved_bytes(s, false) / elementwise_rate;
   // Tensor parallelism per block and micro-batch: two all-reduces of (B·S, C) each way;
   // under sequence parallelism two all-gathers and two reduce-scatters forward, and
   // backward also the two gathers of the norms' outputs again for the weight gradients.
@@ -352,13 +355,13 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
     const double tp = blocks * (tp_forward + tp_backward + (full ? tp_forward : 0.0));
     if (pl.last()) {  // the final norm, the LM head (and its two gradients), the loss
       const double head = gemm.seconds(s.R, s.Vl, s.C);
-      const double loss = s.R * s.Vl * s.t * 3 / bandwidth;
+      const double loss = s.R * s.Vl * s.t * 3 / elementwise_rate;
       forward += head + loss;
       backward += 2 * head + loss;
       weight += head;
     }
     if (pl.first()) {
-      const double embed = s.R * s.C * s.t * 3 / bandwidth;
+      const double embed = s.R * s.C * s.t * 3 / elementwise_rate;
       forward += embed;
       backward += embed;
     }
