@@ -28,6 +28,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -302,6 +303,60 @@ plan::Kernels measure_kernels(backend::cpu::Context& ctx, const char* name) {
   return k;
 }
 
+// What a call costs beyond its work: a kernel on 256 elements, a GEMM of 8x8x8, each
+// the best of many; and the throughput of twice as many single-thread ranks as cores
+// against one per core (thread ranks on a shared node take turns).
+struct CallCosts {
+  double kernel = 0.0, gemm = 0.0, oversubscribed = 1.0;
+};
+
+CallCosts measure_call_costs(backend::cpu::Context& ctx, int cores) {
+  using clock = std::chrono::steady_clock;
+  auto per_call = [](auto&& body) {
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      const auto t0 = clock::now();
+      for (int i = 0; i < 2000; ++i) body();
+      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count() / 2000);
+    }
+    return best;
+  };
+  Buffer<float> a(256), b(256), c(256);
+  a.zero();
+  b.zero();
+  CallCosts k;
+  k.kernel = per_call([&] { backend::Cpu::add_inplace(ctx, a.data(), b.data(), 256); });
+  k.gemm = per_call([&] { ctx.gemm<float, float>(c.data(), a.data(), b.data(), nullptr, 8, 8, 8, {}); });
+  // Ranks of one thread each, busy with GEMMs: `ranks` of them for a fixed time.
+  auto throughput = [&](int ranks) {
+    double flops = 0.0;
+    std::mutex m;
+    comm::run_threads(ranks,
+                      [&](comm::ThreadComm& world) {
+                        backend::cpu::Context mine;
+                        constexpr std::int64_t d = 256;
+                        Buffer<float> x(d * d), y(d * d), z(d * d);
+                        x.zero();
+                        y.zero();
+                        world.barrier();
+                        const auto t0 = clock::now();
+                        double done = 0.0;
+                        while (std::chrono::duration<double>(clock::now() - t0).count() < 0.4) {
+                          mine.gemm<float, float>(z.data(), x.data(), y.data(), nullptr, d, d, d, {});
+                          done += 2.0 * d * d * d;
+                        }
+                        std::lock_guard lock(m);
+                        flops += done;
+                      },
+                      {.omp_threads_per_rank = 1});
+    return flops;
+  };
+  k.oversubscribed = std::min(1.0, throughput(2 * cores) / throughput(cores));
+  std::printf("  call costs: a kernel %.1f us, a GEMM %.1f us; %d ranks on %d cores run at %.2f of %d\n",
+              k.kernel * 1e6, k.gemm * 1e6, 2 * cores, cores, k.oversubscribed, cores);
+  return k;
+}
+
 double measure_bandwidth() {
   using clock = std::chrono::steady_clock;
   const std::int64_t n = std::int64_t{1} << 24;  // 64 MiB per array
@@ -430,6 +485,10 @@ plan::Cluster calibrate() {
   c.bf16_kernels = measure_kernels<bf16>(ctx, "bf16");
   c.fp16_kernels = measure_kernels<f16>(ctx, "fp16");
   c.memory_bandwidth = measure_bandwidth();
+  const CallCosts calls = measure_call_costs(ctx, cores);
+  c.kernel_overhead = calls.kernel;
+  c.gemm_overhead = calls.gemm;
+  c.oversubscribed = calls.oversubscribed;
   const CommCalibration comm = measure_thread_comm(std::max(2, cores));
   c.intra = comm.link;
   c.inter = comm.link;

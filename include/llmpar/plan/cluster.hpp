@@ -83,6 +83,9 @@ struct Cluster {
   bool shared_node = false;
   double overlap = 0.0;              // the fraction of data-parallel communication hidden under backward
   double collective_overhead = 0.0;  // seconds of compute one communication-thread collective costs
+  double kernel_overhead = 0.0;      // seconds a kernel call costs beyond its work (launch, fork/join)
+  double gemm_overhead = 0.0;        // seconds a GEMM call costs beyond its work
+  double oversubscribed = 1.0;       // a shared node's throughput with twice as many ranks as cores, relative
 
   int devices() const { return nodes * devices_per_node; }
   const Kernels& kernels(DType storage) const {
@@ -119,6 +122,10 @@ struct Cluster {
                  inter.busbw, " B/s)");
     LLMPAR_CHECK(overlap >= 0.0 && overlap <= 1.0, "cluster '", name, "': overlap is ", overlap,
                  "; it is a fraction in [0, 1]");
+    LLMPAR_CHECK(kernel_overhead >= 0.0 && gemm_overhead >= 0.0, "cluster '", name, "': call overheads (kernel ",
+                 kernel_overhead, " s, GEMM ", gemm_overhead, " s) must be >= 0");
+    LLMPAR_CHECK(oversubscribed > 0.0 && oversubscribed <= 1.0, "cluster '", name, "': oversubscribed is ",
+                 oversubscribed, "; it is a throughput fraction in (0, 1]");
     LLMPAR_CHECK(collective_overhead >= 0.0, "cluster '", name, "': collective_overhead is ", collective_overhead,
                  "; give seconds >= 0");
   }
@@ -147,6 +154,8 @@ struct Cluster {
       c.fp32_kernels = {0.7 * c.memory_bandwidth, 0.5 * c.fp32.peak_flops};
       c.bf16_kernels = {0.7 * c.memory_bandwidth, 0.4 * c.bf16.peak_flops};
       c.fp16_kernels = c.bf16_kernels;
+      c.kernel_overhead = 4e-6;  // a kernel launch
+      c.gemm_overhead = 6e-6;
       c.intra = {360e9, 8e-6};
       c.inter = {45e9, 15e-6};
       c.shared_node = false;
@@ -196,7 +205,10 @@ struct Cluster {
             {"inter", link_json(inter)},
             {"shared_node", shared_node},
             {"overlap", overlap},
-            {"collective_overhead", collective_overhead}};
+            {"collective_overhead", collective_overhead},
+            {"kernel_overhead", kernel_overhead},
+            {"gemm_overhead", gemm_overhead},
+            {"oversubscribed", oversubscribed}};
   }
 
   static Cluster from_json(const nlohmann::json& j, const std::string& from) {
@@ -230,6 +242,9 @@ struct Cluster {
       c.shared_node = j.at("shared_node").get<bool>();
       c.overlap = j.at("overlap").get<double>();
       c.collective_overhead = j.at("collective_overhead").get<double>();
+      c.kernel_overhead = j.at("kernel_overhead").get<double>();
+      c.gemm_overhead = j.at("gemm_overhead").get<double>();
+      c.oversubscribed = j.at("oversubscribed").get<double>();
     } catch (const nlohmann::json::exception& e) {
       LLMPAR_FAIL("cluster ", from, ": ", e.what(), "; rewrite it with llmpar-plan --calibrate FILE");
     }
