@@ -18,19 +18,7 @@ fail() {
   exit 1
 }
 
-# Debian's python3-matplotlib is installed for /usr/bin/python3; a python3 earlier on
-# PATH (pyenv, a venv) may not see it.
-python=""
-for candidate in python3 /usr/bin/python3; do
-  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import matplotlib' >/dev/null 2>&1; then
-    python="$candidate"
-    break
-  fi
-done
-if [[ -z "$python" ]]; then
-  echo "test_plot_scaling: skipped: no python3 imports matplotlib (Debian: apt-get install python3-matplotlib)"
-  exit 77
-fi
+source "$root/tests/tools/matplotlib_python.sh" test_plot_scaling
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
