@@ -732,12 +732,7 @@ int main(int argc, char** argv) {
   int repeats = 2;
   double tolerance = 0.10;
   CLI::App app{"llmpar-plan: predict memory per rank and step time of training layouts (plan/cost.hpp)"};
-  app.add_option("--model", o.model, "Preset: gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")
-      ->capture_default_str();
-  app.add_option("--layers", o.layers, "Override the preset's layers");
-  app.add_option("--heads", o.heads, "Override the preset's heads");
-  app.add_option("--dim", o.dim, "Override the preset's channels");
-  app.add_option("--vocab", o.vocab, "Override the vocabulary");
+  train_gpt::add_model_options(app, o);
   app.add_option("--seq", o.seq, "Sequence length (default: the preset's, at most 1024)");
   app.add_option("--cluster", cluster_name, "h100x8xN, h200x8xN, or a file from --calibrate")->capture_default_str();
   app.add_option("--global-batch", o.global_batch, "Sequences per optimizer step (the search keeps it fixed)");

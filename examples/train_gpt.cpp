@@ -107,13 +107,8 @@ int main(int argc, char** argv) {
   }
   Options o;
   CLI::App app{"train_gpt: train a GPT-2 with llmpar"};
-  app.add_option("--model", o.model, "Preset: gpt2-tiny (byte vocabulary), gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")
-      ->capture_default_str();
-  app.add_option("--layers", o.layers, "Override the preset's number of layers");
-  app.add_option("--heads", o.heads, "Override the preset's attention heads");
-  app.add_option("--dim", o.dim, "Override the preset's channels");
+  train_gpt::add_model_options(app, o);
   app.add_option("--seq", o.seq, "Sequence length T (default: min(preset, 128))");
-  app.add_option("--vocab", o.vocab, "Override the vocabulary size (padded to a multiple of 128)");
   app.add_flag("--mup", o.mup,
                "µP: hidden matrices' init std / sqrt(m) and learning rate / m, logits x 1/m, m = dim / "
                "--mup-base-dim (hyper-parameters tuned at the base width transfer across width)");

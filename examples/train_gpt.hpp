@@ -70,6 +70,18 @@ struct Options {
   train::SpikeGuardConfig spike{};                   // its thresholds (.enabled from spike_guard)
 };
 
+// The flags that choose the model's shape, for every program that takes train_gpt's
+// model (train_gpt, llmpar-plan); App is a CLI::App.
+template <class App>
+void add_model_options(App& app, Options& o) {
+  app.add_option("--model", o.model, "Preset: gpt2-tiny (byte vocabulary), gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b")
+      ->capture_default_str();
+  app.add_option("--layers", o.layers, "Override the preset's number of layers");
+  app.add_option("--heads", o.heads, "Override the preset's attention heads");
+  app.add_option("--dim", o.dim, "Override the preset's channels");
+  app.add_option("--vocab", o.vocab, "Override the vocabulary size (padded to a multiple of 128)");
+}
+
 // Whether the loss spike guard runs: --spike-guard / --no-spike-guard, else with --save.
 inline bool guards_spikes(const Options& o) { return o.spike_guard || (!o.no_spike_guard && !o.save.empty()); }
 
