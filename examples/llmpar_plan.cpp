@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -590,7 +591,7 @@ struct GridPoint {
 };
 
 // Layouts of the validation grid: every parallelism, ZeRO stage, schedule, precision and
-// recomputation mode, at one global batch of 8 sequences.
+// recomputation mode, at one global batch of 8 sequences (32 layouts).
 std::vector<GridPoint> validation_grid(bool quick) {
   std::vector<GridPoint> g{
       {.ranks = 1},
@@ -620,67 +621,119 @@ std::vector<GridPoint> validation_grid(bool quick) {
       {.ranks = 1, .batch = 1, .grad_accum = 8},
       {.ranks = 2, .pp = 2, .batch = 4, .grad_accum = 2, .schedule = "gpipe"},
       {.ranks = 2, .zero = 3, .batch = 1, .grad_accum = 4},
+      // Layouts a planner must tell apart from the rest by more than the machine's
+      // drift: a pipeline with one micro-batch (half of it idle), ZeRO 3 over four
+      // ranks, 16-bit with full recomputation, ZeRO 2 reducing every micro-batch.
+      {.ranks = 2, .pp = 2, .batch = 8, .grad_accum = 1},
+      {.ranks = 2, .pp = 2, .batch = 4, .grad_accum = 2},
+      {.ranks = 4, .zero = 3, .batch = 2},
+      {.ranks = 1, .precision = "bf16", .recompute = "full"},
+      {.ranks = 2, .zero = 2, .batch = 1, .grad_accum = 4},
   };
   if (quick) g = {g[0], g[3], g[5], g[8], g[9], g[12], g[17], g[18]};
   return g;
 }
 
-int validate(const std::string& exe, const plan::Cluster& c, const std::string& out_path, bool quick,
-             const Options& model, std::int64_t steps, int repeats, double tolerance) {
+// A layout's measurements in the --measurements file: one JSON line per run.
+std::string measurement_key(int ranks, const std::string& layout, std::int64_t steps) {
+  return std::to_string(ranks) + " | " + layout + " | " + std::to_string(steps);
+}
+
+nlohmann::json to_json(const Measured& m) {
+  return {{"parameters", m.parameters},   {"gradients", m.gradients}, {"optimizer", m.optimizer},
+          {"activations", m.activations}, {"buffers", m.buffers},     {"step_ms", m.step_ms}};
+}
+
+Measured measured_of(const nlohmann::json& j) {
+  return {.parameters = j.at("parameters"),
+          .gradients = j.at("gradients"),
+          .optimizer = j.at("optimizer"),
+          .activations = j.at("activations"),
+          .buffers = j.at("buffers"),
+          .step_ms = j.at("step_ms")};
+}
+
+int validate(const std::string& exe, const plan::Cluster& c, const std::string& out_path,
+             const std::string& measurements_path, bool quick, const Options& model, std::int64_t steps, int repeats,
+             double tolerance) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("llmpar-plan-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
+  const double peak_gflops = c.fp32.peak_flops * 1e-9;
+  const std::vector<GridPoint> grid = validation_grid(quick);
+
+  // Runs kept from earlier passes (--measurements): a grid run again with a changed
+  // model or cluster file only trains what it does not have yet.
+  std::map<std::string, std::vector<Measured>> runs;
+  if (!measurements_path.empty()) {
+    std::ifstream in(measurements_path);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("key")) runs[j.at("key").get<std::string>()].push_back(measured_of(j));
+    }
+  }
+  // The machine's speed drifts (a shared VM: the same layout's step time varied by
+  // 40% between passes a few minutes apart), so the grid runs `repeats` passes, each
+  // layout once per pass (drift then touches every layout alike), and each layout keeps
+  // its fastest median step.
+  int failures = 0;
+  std::vector<bool> failed(grid.size(), false);
+  for (int pass = 0; pass < repeats; ++pass)
+    for (std::size_t i = 0; i < grid.size(); ++i) {
+      const Options o = grid[i].options(model);
+      const int ranks = grid[i].ranks;
+      const std::string key = measurement_key(ranks, describe(o, ranks), steps);
+      if (failed[i] || static_cast<int>(runs[key].size()) > pass) continue;
+      const std::string metrics = (dir / ("run" + std::to_string(i) + ".jsonl")).string();
+      const std::string log = (dir / ("run" + std::to_string(i) + ".log")).string();
+      std::vector<std::string> args{"--ranks", std::to_string(ranks)};
+      for (const std::string& f : flags_of(o)) args.push_back(f);
+      for (const std::string& a :
+           {std::string("--steps"), std::to_string(steps), std::string("--eval-every"), std::string("0"),
+            std::string("--sample-tokens"), std::string("0"), std::string("--peak-gflops"), std::to_string(peak_gflops),
+            std::string("--metrics"), metrics})
+        args.push_back(a);
+      std::printf("pass %d/%d, run %2zu/%zu: --ranks %d %s ... ", pass + 1, repeats, i + 1, grid.size(), ranks,
+                  describe(o, ranks).c_str());
+      std::fflush(stdout);
+      if (!run_train_gpt(exe, args, log)) {
+        std::printf("train_gpt failed (%s)\n", log.c_str());
+        failed[i] = true;
+        ++failures;
+        continue;
+      }
+      const Measured once = read_metrics(metrics);
+      std::printf("%.1f ms\n", once.step_ms);
+      runs[key].push_back(once);
+      if (!measurements_path.empty()) {
+        nlohmann::json j = to_json(once);
+        j["key"] = key;
+        std::ofstream(measurements_path, std::ios::app) << j.dump() << "\n";
+      }
+    }
+
   std::vector<double> predicted_ms, measured_ms;
   std::ostringstream table;
   table << "| ranks | layout | predicted MiB | measured MiB | error | params | grads | optim | act+ws | buffers | "
            "predicted ms | measured ms |\n";
   table << "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   double worst = 0.0;
-  int failures = 0, index = 0;
-  const double peak_gflops = c.fp32.peak_flops * 1e-9;
-  const std::vector<GridPoint> grid = validation_grid(quick);
-  for (const GridPoint& p : grid) {
-    const Options o = p.options(model);
-    const int ranks = p.ranks;
-    const std::string metrics = (dir / ("run" + std::to_string(index) + ".jsonl")).string();
-    const std::string log = (dir / ("run" + std::to_string(index) + ".log")).string();
-    ++index;
-    std::vector<std::string> args{"--ranks", std::to_string(ranks)};
-    for (const std::string& f : flags_of(o)) args.push_back(f);
-    for (const std::string& a :
-         {std::string("--steps"), std::to_string(steps), std::string("--eval-every"), std::string("0"),
-          std::string("--sample-tokens"), std::string("0"), std::string("--peak-gflops"), std::to_string(peak_gflops),
-          std::string("--metrics"), metrics})
-      args.push_back(a);
+  for (std::size_t i = 0; i < grid.size(); ++i) {
+    if (failed[i]) continue;
+    const Options o = grid[i].options(model);
+    const int ranks = grid[i].ranks;
+    const std::vector<Measured>& passes = runs[measurement_key(ranks, describe(o, ranks), steps)];
+    Measured m = passes.front();
+    for (const Measured& once : passes) m.step_ms = std::min(m.step_ms, once.step_ms);
     const models::GPT2Config cfg = train_gpt::model_config(o);
     const std::int64_t seq = train_gpt::sequence_length(o, models::GPT2Config::preset(o.model));
     const plan::Estimate e = plan::estimate(cfg, seq, layout_of(o, ranks), c);
-    std::printf("run %2d/%zu: --ranks %d %s ... ", index, grid.size(), ranks, describe(o, ranks).c_str());
-    std::fflush(stdout);
-    // The machine's speed drifts (a shared VM: the same layout's step time varied by
-    // 40% between passes here), so each layout runs `repeats` times and keeps its fastest
-    // median step.
-    Measured m;
-    bool ok = true;
-    for (int r = 0; r < repeats && ok; ++r) {
-      ok = run_train_gpt(exe, args, log);
-      if (!ok) break;
-      const Measured once = read_metrics(metrics);
-      if (r == 0 || once.step_ms < m.step_ms) m = once;
-    }
-    if (!ok) {
-      std::printf("train_gpt failed (%s)\n", log.c_str());
-      ++failures;
-      continue;
-    }
     // train_gpt's metrics are rank 0's: the first pipeline stage's memory.
     const plan::Memory pm = plan::rank_memory(cfg, seq, layout_of(o, ranks), 0, c);
     const double error = pm.measured_total() / m.total() - 1.0;
     worst = std::max(worst, std::abs(error));
     predicted_ms.push_back(e.time.step * 1e3);
     measured_ms.push_back(m.step_ms);
-    std::printf("memory %.2f MiB predicted, %.2f measured (%+.1f%%); step %.1f ms predicted, %.1f measured\n",
-                pm.measured_total() / kMiB, m.total() / kMiB, 100 * error, e.time.step * 1e3, m.step_ms);
     char row[1024];
     auto pair = [](double predicted, double measured) {
       char s[64];
@@ -725,7 +778,7 @@ std::string default_train_gpt(const char* argv0) {
 int main(int argc, char** argv) {
   Options o;
   o.precision = "";
-  std::string cluster_name = "h100x8x1", calibrate_out, validate_out, train_gpt_exe;
+  std::string cluster_name = "h100x8x1", calibrate_out, validate_out, measurements, train_gpt_exe;
   int ranks = 0, top = 15;
   bool validate_grid = false, quick = false;
   std::int64_t validate_steps = 20;
@@ -756,6 +809,8 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", repeats, "--validate: runs per layout (the fastest counts)")->capture_default_str();
   app.add_option("--tolerance", tolerance, "--validate: the largest memory error allowed")->capture_default_str();
   app.add_option("--out", validate_out, "--validate: also write the table (markdown) here");
+  app.add_option("--measurements", measurements,
+                 "--validate: keep every run's measurement in this JSON-lines file, and reuse those it holds");
   app.add_option("--train-gpt", train_gpt_exe, "--validate: the train_gpt program (default: beside this one)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -786,7 +841,7 @@ int main(int argc, char** argv) {
       model.heads = 8;
       model.dim = 256;
       model.seq = 128;
-      return validate(exe, c, validate_out, quick, model, validate_steps, quick ? 1 : repeats, tolerance);
+      return validate(exe, c, validate_out, measurements, quick, model, validate_steps, quick ? 1 : repeats, tolerance);
     }
     if (!o.seq) {
       const models::GPT2Config preset = models::GPT2Config::preset(o.model);

@@ -7,12 +7,13 @@
 //
 // What it does, in order (each run is train_gpt, its log and metrics in OUT/runs/):
 //  1. Learning rate (--lr-sweep, on by default): a short sweep of learning rates at two
-//     widths, in the standard parametrisation and in µP. Under µP the best rate stays
-//     where it was at the base width; under SP it moves. The µP sweep's best rate at the
-//     base width is the rate of every run that follows (unless --lr).
+//     widths, in the standard parametrisation and in µP (rule_of_sweep). Where µP's best
+//     rate stays put between the widths, every run that follows trains in µP at the base
+//     width's best rate; where it moves too, they train in SP at the rate SP's own best
+//     rates give, lr · (base / width)^e with e measured by the sweep (unless --lr).
 //  2. The fit sweep: at least 5 models of one family spanning 30x in parameters, width and
 //     depth grown together (head dimension fixed, layers ~ width / aspect), each trained
-//     for `--tokens-per-param` (20, Chinchilla) tokens per parameter, with µP. The two
+//     for `--tokens-per-param` (20, Chinchilla) tokens per parameter, at that rate. The two
 //     smallest also train at 1/4 and 4x that ratio: the Chinchilla fit needs runs where
 //     N and D do not move together.
 //  3. The fits (plan/scaling.hpp): L(C) = a·C^b + c over the rule's runs, L(N, D) = E +
@@ -26,6 +27,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -159,6 +161,13 @@ double final_val_loss(const std::string& metrics) {
   return loss;
 }
 
+// A learning rate as train_gpt's flag, with the digits it needs.
+std::string rate_flag(double lr) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.6g", lr);
+  return s;
+}
+
 class Sweep {
  public:
   explicit Sweep(SweepConfig c) : c_(std::move(c)) {
@@ -207,7 +216,7 @@ class Sweep {
                                     "--warmup",
                                     std::to_string(std::max<std::int64_t>(1, steps / 20)),
                                     "--lr",
-                                    std::to_string(r.lr),
+                                    rate_flag(r.lr),
                                     "--eval-every",
                                     std::to_string(steps),
                                     "--eval-batches",
@@ -272,6 +281,15 @@ std::string size_name(double params) {
   return s;
 }
 
+// How the rule reads in the log.
+std::string describe(const plan::RateRule& r) {
+  char s[160];
+  std::snprintf(s, sizeof s, "learning rate: %s, %.3g at width %lld, x (%lld / width)^%.2f (",
+                plan::parametrization_name(r.parametrization), r.lr, static_cast<long long>(r.base_width),
+                static_cast<long long>(r.base_width), r.exponent);
+  return s + r.why + ")";
+}
+
 int run_sweep(const SweepConfig& c) {
   Sweep sweep(c);
   // Five sizes of the family (44x in parameters at budget 1, 9.5k to 420k), and the
@@ -308,17 +326,18 @@ int run_sweep(const SweepConfig& c) {
   int index = 0;
   const int total_estimate = static_cast<int>(lr_runs + fit_shapes.size() + 4 + 1);  // fit, ratio, held-out
   for (std::size_t i = 0; i < lr_runs; ++i) sweep.train(runs[i], ++index, total_estimate);
-  double lr = c.lr.value_or(4e-3);
-  if (c.lr_sweep && !c.lr) {  // the µP sweep's best rate at the base width
-    double best = std::numeric_limits<double>::infinity();
-    for (std::size_t i = 0; i < lr_runs; ++i)
-      if (runs[i].mup && runs[i].shape.dim == base_width && runs[i].loss < best) {
-        best = runs[i].loss;
-        lr = runs[i].lr;
-      }
-    std::printf("learning rate: %.2e, the best of the µP sweep at width %lld\n", lr,
-                static_cast<long long>(base_width));
-  }
+  std::vector<plan::LrSweepPoint> lr_sweep;
+  for (std::size_t i = 0; i < lr_runs; ++i)
+    lr_sweep.push_back({runs[i].mup ? plan::Parametrization::mup : plan::Parametrization::sp, runs[i].shape.dim,
+                        runs[i].lr, runs[i].loss});
+  std::optional<plan::RateRule> chosen;
+  if (c.lr_sweep && !c.lr) chosen = plan::rate_rule(lr_sweep, base_width, 4 * base_width, c.mup);
+  const plan::RateRule rate =
+      chosen.value_or(plan::RateRule{.parametrization = c.mup ? plan::Parametrization::mup : plan::Parametrization::sp,
+                                     .lr = c.lr.value_or(4e-3),
+                                     .base_width = base_width,
+                                     .why = c.lr ? "--lr" : "the default without the sweep"});
+  std::printf("%s\n", describe(rate).c_str());
   // 2. The fit sweep, and the off-rule runs of the two smallest models.
   auto add = [&](const Shape& s, double ratio, const char* role) {
     Run r;
@@ -326,8 +345,8 @@ int run_sweep(const SweepConfig& c) {
     r.shape = s;
     r.params = params_of(s, c);
     r.tokens = std::round(ratio * r.params);
-    r.lr = lr;
-    r.mup = c.mup;
+    r.lr = rate.at(s.dim);
+    r.mup = rate.parametrization == plan::Parametrization::mup;
     r.mup_base = base_width;
     char name[64];
     std::snprintf(name, sizeof name, "%s-L%lld-C%lld-x%g", role, static_cast<long long>(s.layers),
@@ -363,9 +382,8 @@ int run_sweep(const SweepConfig& c) {
   plan::ScalingRun achieved = held_run;
   achieved.loss = h.loss;
   plan::ScalingReport report = plan::make_report(rule, {achieved}, {}, all);
-  for (std::size_t i = 0; i < lr_runs; ++i)
-    report.lr_sweep.push_back({runs[i].mup ? plan::Parametrization::mup : plan::Parametrization::sp, runs[i].shape.dim,
-                               runs[i].lr, runs[i].loss});
+  report.lr_sweep = lr_sweep;
+  report.rate_rule = chosen;
 
   const plan::PowerLawFit& f = report.power_law.fit;
   const plan::PowerLawBootstrap& fb = report.power_law.bootstrap;
@@ -428,7 +446,7 @@ int main(int argc, char** argv) {
   app.add_option("--seq", c.seq, "Sequence length")->capture_default_str();
   app.add_option("--batch", c.batch, "Sequences per step (over all ranks)")->capture_default_str();
   app.add_option("--ranks", c.ranks, "Data-parallel thread ranks of every run")->capture_default_str();
-  app.add_option("--lr", lr, "Learning rate of the fit and held-out runs (default: the µP sweep's best)");
+  app.add_option("--lr", lr, "Learning rate of the fit and held-out runs (default: the rule the sweep measures)");
   app.add_flag("--no-lr-sweep", no_lr_sweep, "Skip the learning-rate sweep (then --lr, default 4e-3)");
   app.add_flag("--no-mup", no_mup, "Train the sweep in the standard parametrisation");
   app.add_flag("--synthetic", c.synthetic, "No training: losses from a known law, which the fit must recover");

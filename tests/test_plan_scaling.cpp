@@ -363,6 +363,8 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   report.lr_sweep = {{plan::Parametrization::sp, 256, 1e-3, 3.2},
                      {plan::Parametrization::mup, 512, 3e-3, 3.1},
                      {plan::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
+  report.rate_rule = plan::RateRule{
+      .parametrization = plan::Parametrization::sp, .lr = 1.5e-2, .base_width = 16, .exponent = 1.1, .why = "measured"};
   REQUIRE(report.chinchilla.has_value());
   CHECK(report.chinchilla_note.empty());
   REQUIRE(report.predictions.size() == 1u);
@@ -391,6 +393,10 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   CHECK(back.power_law.bootstrap.predict(1e21).lo == report.power_law.bootstrap.predict(1e21).lo);
   CHECK(back.chinchilla->fit.alpha == report.chinchilla->fit.alpha);
   CHECK(back.chinchilla_only_runs.size() == 20u);
+  REQUIRE(back.rate_rule.has_value());
+  CHECK(back.rate_rule->parametrization == plan::Parametrization::sp);
+  CHECK(back.rate_rule->exponent == 1.1);
+  CHECK(back.rate_rule->why == "measured");
   // What tools/plot_scaling.py reads.
   for (const char* key : {"fit_runs", "held_out", "chinchilla_only_runs", "power_law", "chinchilla", "chinchilla_note",
                           "band", "held_out_predictions", "lr_sweep"})
@@ -408,6 +414,9 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   broken = j;
   broken["lr_sweep"][0]["parametrization"] = "ntk";
   CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("lr_sweep[0].parametrization is \"ntk\""), Error);
+  broken = j;
+  broken["rate_rule"]["base_width"] = 0;
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_rule.base_width must be a positive"), Error);
   broken = j;
   broken["format"] = "llmpar-checkpoint";
   CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("expected \"llmpar-scaling-report\""), Error);
@@ -469,4 +478,73 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
   std::ostringstream third;
   plan::write_csv(third, std::vector<ScalingRun>{{"x", 1.0 / 3.0, 2.0, 3.0, 0.1}});
   CHECK(third.str() == "name,params,tokens,flops,loss,role\nx,0.3333333333333333,2,3,0.1,fit\n");
+}
+
+namespace {
+// A sweep whose loss at each width is a parabola in log2(lr) with its vertex at `best`.
+std::vector<plan::LrSweepPoint> parabola_sweep(plan::Parametrization p, std::int64_t width, double best) {
+  std::vector<plan::LrSweepPoint> out;
+  for (double lr : {1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2}) {
+    const double x = std::log2(lr / best);
+    out.push_back({p, width, lr, 2.5 + 0.05 * x * x});
+  }
+  return out;
+}
+std::vector<plan::LrSweepPoint> joined(std::initializer_list<std::vector<plan::LrSweepPoint>> parts) {
+  std::vector<plan::LrSweepPoint> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("best rate: the vertex of the parabola through the lowest point and its neighbours") {
+  using plan::Parametrization;
+  // Losses exactly quadratic in log(lr): the vertex comes back wherever it lies.
+  for (double best : {5e-3, 4e-3, 1.1e-2})
+    CHECK(plan::best_rate(parabola_sweep(Parametrization::sp, 64, best), Parametrization::sp, 64) ==
+          doctest::Approx(best).epsilon(1e-9));
+  // Hand-worked: losses 2.6498, 2.6377, 2.7095 at 2e-3, 4e-3, 8e-3: the vertex is
+  // 0.5 (2.6498 - 2.7095) / (2.6498 - 2 x 2.6377 + 2.7095) = -0.35578 of a step, 4e-3 x 2^-0.35578.
+  std::vector<plan::LrSweepPoint> s{{Parametrization::sp, 64, 1e-3, 2.6689},
+                                    {Parametrization::sp, 64, 8e-3, 2.7095},
+                                    {Parametrization::sp, 64, 2e-3, 2.6498},
+                                    {Parametrization::sp, 64, 4e-3, 2.6377}};
+  CHECK(plan::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+  // The lowest point at an end of the grid is the answer; a diverged run is the worst.
+  s.push_back({Parametrization::sp, 64, 5e-4, 2.0});
+  CHECK(plan::best_rate(s, Parametrization::sp, 64) == 5e-4);
+  s.back().loss = std::numeric_limits<double>::quiet_NaN();
+  CHECK(plan::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+  CHECK_THROWS_WITH_AS(plan::best_rate(s, Parametrization::mup, 64), doctest::Contains("no mup run at width 64"),
+                       Error);
+}
+
+TEST_CASE("rate rule: µP where its best rate stays put, otherwise SP at the power of width it moved by") {
+  using plan::Parametrization;
+  // µP transfers (1.6e-2 at both widths); SP moves 4x over 4x the width.
+  const auto transfers =
+      joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2), parabola_sweep(Parametrization::mup, 64, 1.4e-2),
+              parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 4e-3)});
+  const plan::RateRule mup = plan::rate_rule(transfers, 16, 64, true);
+  CHECK(mup.parametrization == Parametrization::mup);
+  CHECK(mup.lr == doctest::Approx(1.6e-2));
+  CHECK(mup.exponent == 0.0);
+  CHECK(mup.at(112) == doctest::Approx(1.6e-2));
+  CHECK(mup.why.find("it transfers") != std::string::npos);
+  // Asked for SP: the measured exponent 1, so lr x 16 / width.
+  const plan::RateRule sp = plan::rate_rule(transfers, 16, 64, false);
+  CHECK(sp.parametrization == Parametrization::sp);
+  CHECK(sp.exponent == doctest::Approx(1.0));
+  CHECK(sp.at(64) == doctest::Approx(4e-3));
+  CHECK(sp.at(128) == doctest::Approx(2e-3));
+  // µP moves by more than a factor sqrt 2: SP's rule, and the why says so.
+  const auto moves =
+      joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2), parabola_sweep(Parametrization::mup, 64, 1.1e-2),
+              parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 2e-3)});
+  const plan::RateRule fallback = plan::rate_rule(moves, 16, 64, true);
+  CHECK(fallback.parametrization == Parametrization::sp);
+  CHECK(fallback.exponent == doctest::Approx(1.5));
+  CHECK(fallback.why.find("under µP the best rate moved by width^") == 0);
+  CHECK_THROWS_WITH_AS(plan::rate_rule(moves, 64, 64, true), doctest::Contains("needs a base width and a wider one"),
+                       Error);
 }

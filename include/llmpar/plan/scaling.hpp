@@ -906,6 +906,79 @@ struct LrSweepPoint {
   double loss = 0.0;
 };
 
+// How a sweep's runs set their learning rate: lr · (base_width / width)^exponent, in one
+// parametrisation (exponent 0: one rate for every width, what µP promises).
+struct RateRule {
+  Parametrization parametrization = Parametrization::mup;
+  double lr = 4e-3;
+  std::int64_t base_width = 16;
+  double exponent = 0.0;
+  std::string why;  // what chose it
+
+  double at(std::int64_t width) const {
+    return lr * std::pow(static_cast<double>(base_width) / static_cast<double>(width), exponent);
+  }
+};
+
+// The learning rate at which one parametrisation's sweep at one width is lowest: the
+// vertex of the parabola in log(lr) through the lowest point and its two neighbours on
+// the grid (the lowest point itself at an end of the grid, or where the three do not
+// curve upwards). A diverged run (NaN) counts as the worst.
+inline double best_rate(const std::vector<LrSweepPoint>& sweep, Parametrization p, std::int64_t width) {
+  std::vector<LrSweepPoint> curve;
+  for (const LrSweepPoint& s : sweep)
+    if (s.parametrization == p && s.width == width) curve.push_back(s);
+  LLMPAR_CHECK(!curve.empty(), "learning-rate sweep: no ", parametrization_name(p), " run at width ", width);
+  std::sort(curve.begin(), curve.end(), [](const LrSweepPoint& a, const LrSweepPoint& b) { return a.lr < b.lr; });
+  auto loss = [](const LrSweepPoint& s) { return std::isfinite(s.loss) ? s.loss : std::numeric_limits<double>::max(); };
+  std::size_t i = 0;
+  for (std::size_t k = 1; k < curve.size(); ++k)
+    if (loss(curve[k]) < loss(curve[i])) i = k;
+  if (i == 0 || i + 1 == curve.size()) return curve[i].lr;
+  const double x0 = std::log(curve[i - 1].lr), x1 = std::log(curve[i].lr), x2 = std::log(curve[i + 1].lr);
+  const double y0 = loss(curve[i - 1]), y1 = loss(curve[i]), y2 = loss(curve[i + 1]);
+  const double curvature = y0 - 2.0 * y1 + y2;
+  if (!std::isfinite(curvature) || !(curvature > 0.0) || std::abs((x2 - x1) - (x1 - x0)) > 1e-9 * std::abs(x2 - x0))
+    return curve[i].lr;
+  const double step = x1 - x0;
+  return std::exp(std::clamp(x1 + 0.5 * step * (y0 - y2) / curvature, x0, x2));
+}
+
+// The rule a sweep at two widths (base and wide) supports. µP (when `prefer_mup`) where
+// its best rate stays within a factor sqrt 2 (half a grid step of factor 2) between the
+// widths: the base width's best rate then serves every width. Otherwise the standard
+// parametrisation, with the power of width by which its own best rate moved, so that
+// every size is trained near its best rate (a fit over badly tuned runs measures the
+// tuning, not the model).
+inline RateRule rate_rule(const std::vector<LrSweepPoint>& sweep, std::int64_t base_width, std::int64_t wide_width,
+                          bool prefer_mup) {
+  LLMPAR_CHECK(base_width > 0 && wide_width > base_width, "learning-rate sweep: widths ", base_width, " and ",
+               wide_width, "; the rule needs a base width and a wider one");
+  const double ratio = std::log(static_cast<double>(wide_width) / static_cast<double>(base_width));
+  const auto shift = [&](Parametrization p) {
+    return std::log(best_rate(sweep, p, wide_width) / best_rate(sweep, p, base_width)) / ratio;
+  };
+  const std::string widths = llmpar::detail::concat(" between widths ", base_width, " and ", wide_width);
+  RateRule rule;
+  rule.base_width = base_width;
+  if (prefer_mup) {
+    const double moved = shift(Parametrization::mup);
+    if (std::abs(moved) * ratio <= 0.5 * std::log(2.0)) {
+      rule.parametrization = Parametrization::mup;
+      rule.lr = best_rate(sweep, Parametrization::mup, base_width);
+      rule.why = llmpar::detail::concat("under µP the best rate moved by width^", moved, widths, ": it transfers");
+      return rule;
+    }
+    rule.why = llmpar::detail::concat("under µP the best rate moved by width^", moved, widths, "; ");
+  }
+  const double moved = shift(Parametrization::sp);
+  rule.parametrization = Parametrization::sp;
+  rule.lr = best_rate(sweep, Parametrization::sp, base_width);
+  rule.exponent = -moved;
+  rule.why += llmpar::detail::concat("the standard parametrisation's best rate moved by width^", moved, widths);
+  return rule;
+}
+
 struct PowerLawResult {
   PowerLawFit fit;
   PowerLawBootstrap bootstrap;
@@ -943,6 +1016,7 @@ struct ScalingReport {
   std::vector<BandPoint> band;                 // increasing flops
   std::vector<HeldOutPrediction> predictions;  // one per held-out run, in order
   std::vector<LrSweepPoint> lr_sweep;
+  std::optional<RateRule> rate_rule;  // how the fit's runs set their learning rate, where a sweep chose it
 };
 
 struct ReportOptions {
@@ -1202,6 +1276,16 @@ inline nlohmann::json to_json(const ScalingReport& report) {
                      {"loss", std::isfinite(s.loss) ? json(s.loss) : json(nullptr)}});
   }
   out["lr_sweep"] = std::move(sweep);
+  if (report.rate_rule) {
+    const RateRule& r = *report.rate_rule;
+    out["rate_rule"] = {{"parametrization", parametrization_name(r.parametrization)},
+                        {"lr", r.lr},
+                        {"base_width", r.base_width},
+                        {"exponent", r.exponent},
+                        {"why", r.why}};
+  } else {
+    out["rate_rule"] = nullptr;
+  }
   return out;
 }
 
@@ -1213,7 +1297,7 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   using nlohmann::json;
   detail::only_keys(j, "the report",
                     {"format", "version", "fit_runs", "held_out", "chinchilla_only_runs", "power_law", "chinchilla",
-                     "chinchilla_note", "band", "held_out_predictions", "lr_sweep"});
+                     "chinchilla_note", "band", "held_out_predictions", "lr_sweep", "rate_rule"});
   const json& format = detail::member(j, "the report", "format");
   LLMPAR_CHECK(format == kReportFormat, "scaling report: format is ", format.dump(), ", expected \"", kReportFormat,
                "\" (is this a file llmpar-scaling wrote?)");
@@ -1334,6 +1418,24 @@ inline ScalingReport from_json(const nlohmann::json& j) {
     point.lr = number(s, where, "lr");
     point.loss = number(s, where, "loss", /*null_is_nan=*/true);
     report.lr_sweep.push_back(point);
+  }
+  if (j.contains("rate_rule") && !j.at("rate_rule").is_null()) {
+    const json& r = j.at("rate_rule");
+    const std::string where = "rate_rule";
+    detail::only_keys(r, where, {"parametrization", "lr", "base_width", "exponent", "why"});
+    RateRule rule;
+    const std::string p = detail::text(r, where, "parametrization");
+    LLMPAR_CHECK(p == "sp" || p == "mup", "scaling report: rate_rule.parametrization is \"", p,
+                 "\"; use \"sp\" (standard) or \"mup\" (maximal update)");
+    rule.parametrization = p == "sp" ? Parametrization::sp : Parametrization::mup;
+    rule.lr = number(r, where, "lr");
+    const json& width = detail::member(r, where, "base_width");
+    LLMPAR_CHECK(width.is_number_integer() && width.get<std::int64_t>() > 0,
+                 "scaling report: rate_rule.base_width must be a positive whole number, is ", width.dump());
+    rule.base_width = width.get<std::int64_t>();
+    rule.exponent = number(r, where, "exponent");
+    rule.why = detail::text(r, where, "why");
+    report.rate_rule = rule;
   }
   return report;
 }
