@@ -16,7 +16,6 @@
 // Layouts are checked with train_gpt's own checks (train_gpt::validate), so the planner
 // lists exactly the layouts train_gpt accepts, and prints its flags.
 #include <omp.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +39,7 @@
 #include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/plan/cost.hpp"
+#include "subprocess.hpp"
 #include "train_gpt.hpp"
 
 using namespace llmpar;
@@ -216,36 +216,53 @@ void print_breakdown(const Options& o, int world, const plan::Cluster& c) {
 
 // ---- --calibrate: this machine as a cluster of thread ranks.
 
+// The median time of `body` over at least 5 calls and `seconds` of calls, after `warm`
+// seconds of warm-up: what a training step sees of a kernel it calls among others
+// (the best time, which a kernel reaches only with its data hot and nothing beside it,
+// made the calibrated machine 20-40% faster than its training steps).
+template <class Body>
+double typical_seconds(Body&& body, double warm, double seconds) {
+  using clock = std::chrono::steady_clock;
+  const auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+  body();
+  for (const auto t = clock::now(); since(t) < warm;) body();
+  std::vector<double> times;
+  for (const auto start = clock::now(); times.size() < 5 || since(start) < seconds;) {
+    const auto t0 = clock::now();
+    body();
+    times.push_back(since(t0));
+  }
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  return times[times.size() / 2];
+}
+
 template <class T>
 plan::Gemm measure_gemm_curve(backend::cpu::Context& ctx, const char* name) {
-  using clock = std::chrono::steady_clock;
-  // Tall products as a training step has them: 2048 rows, d wide, d deep.
+  // Products as a training step has them: tall ones (2048 rows, d wide, d deep: narrow
+  // layers, tensor-parallel slices) and short ones (d rows of 1024 wide and deep: small
+  // micro-batches, whose row count B·T is the small dimension, forward and in the
+  // weight gradients' reduction).
   const std::vector<std::int64_t> sizes{32, 64, 128, 256, 512, 1024};
-  constexpr std::int64_t kRows = 2048;
-  const std::int64_t most = kRows * sizes.back();
+  constexpr std::int64_t kLong = 2048, kShort = 1024;
+  const std::int64_t most = kLong * sizes.back();
   Buffer<T> a(most), b(most), out(most);
   for (std::int64_t i = 0; i < most; ++i) {
     a[i] = static_cast<T>(static_cast<float>(i % 7 + 1) * 0.01f);
     b[i] = static_cast<T>(static_cast<float>(i % 5 + 1) * 0.01f);
   }
   std::vector<double> size, achieved;
-  for (std::int64_t d : sizes) {
-    auto run = [&] { ctx.gemm<T, T>(out.data(), a.data(), b.data(), nullptr, kRows, d, d, {}); };
-    const auto warm = clock::now();
-    while (std::chrono::duration<double>(clock::now() - warm).count() < 0.1) run();
-    double best = 1e30;
-    const auto t_size = clock::now();
-    for (int r = 0; r < 5 || std::chrono::duration<double>(clock::now() - t_size).count() < 0.2; ++r) {
-      const auto t0 = clock::now();
-      run();
-      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
-    }
-    const double flops = 2.0 * static_cast<double>(kRows * d * d) / best;
-    std::printf("  %s GEMM %lldx%lldx%lld: %8.1f GFLOP/s\n", name, static_cast<long long>(kRows),
-                static_cast<long long>(d), static_cast<long long>(d), flops * 1e-9);
-    size.push_back(static_cast<double>(d));
+  auto measure = [&](std::int64_t m, std::int64_t n, std::int64_t k) {
+    auto run = [&] { ctx.gemm<T, T>(out.data(), a.data(), b.data(), nullptr, m, n, k, {}); };
+    const double typical = typical_seconds(run, 0.05, 0.1);
+    const double flops = 2.0 * static_cast<double>(m * n * k) / typical;
+    std::printf("  %s GEMM %lldx%lldx%lld: %8.1f GFLOP/s\n", name, static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k), flops * 1e-9);
+    size.push_back(static_cast<double>(std::min({m, n, k})));
     achieved.push_back(flops);
-  }
+  };
+  for (std::int64_t d : sizes) measure(kLong, d, d);
+  for (std::int64_t d : sizes)
+    if (d < kShort) measure(d, kShort, kShort);
   // peak · d / (d + half): the peak is the fastest size's; half is the median over the
   // smaller sizes of the half size each implies, d · (peak / achieved − 1) (robust to a
   // size that runs out of cache or is disturbed).
@@ -264,7 +281,6 @@ plan::Gemm measure_gemm_curve(backend::cpu::Context& ctx, const char* name) {
 // backward) in storage type T, on activations of a small model's micro-batch.
 template <class T>
 plan::Kernels measure_kernels(backend::cpu::Context& ctx, const char* name) {
-  using clock = std::chrono::steady_clock;
   using B = backend::Cpu;
   constexpr std::int64_t kB = 8, kT = 128, kC = 256, kHeads = 8, rows = kB * kT, n = rows * kC;
   Buffer<T> x(3 * n), y(3 * n), w(kC), bias(kC), dqkv(3 * n);
@@ -274,23 +290,13 @@ plan::Kernels measure_kernels(backend::cpu::Context& ctx, const char* name) {
     w[i] = static_cast<T>(1.0f);
     bias[i] = static_cast<T>(0.0f);
   }
-  auto best_of = [&](auto&& body) {
-    body();
-    double best = 1e30;
-    const auto start = clock::now();
-    for (int r = 0; r < 5 || std::chrono::duration<double>(clock::now() - start).count() < 0.2; ++r) {
-      const auto t0 = clock::now();
-      body();
-      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
-    }
-    return best;
-  };
-  const double elementwise = best_of([&] {
+  auto typical_of = [](auto&& body) { return typical_seconds(body, 0.0, 0.2); };
+  const double elementwise = typical_of([&] {
     B::gelu_forward(ctx, y.data(), x.data(), n);
     B::layernorm_forward(ctx, y.data() + n, mean.data(), rstd.data(), x.data(), w.data(), bias.data(), rows, kC, 1e-5f);
     B::add_inplace(ctx, y.data() + 2 * n, x.data(), n);
   });
-  const double attention = best_of([&] {
+  const double attention = typical_of([&] {
     B::attention_forward(ctx, y.data(), lse.data(), x.data(), kB, kT, kC, kHeads);
     B::attention_backward(ctx, dqkv.data(), y.data(), x.data(), y.data(), lse.data(), kB, kT, kC, kHeads);
   });
@@ -308,7 +314,7 @@ plan::Kernels measure_kernels(backend::cpu::Context& ctx, const char* name) {
 // the best of many; and the throughput of twice as many single-thread ranks as cores
 // against one per core (thread ranks on a shared node take turns).
 struct CallCosts {
-  double kernel = 0.0, gemm = 0.0, oversubscribed = 1.0;
+  double kernel = 0.0, gemm = 0.0, shared_ranks = 1.0, oversubscribed = 1.0;
 };
 
 CallCosts measure_call_costs(backend::cpu::Context& ctx, int cores) {
@@ -328,33 +334,45 @@ CallCosts measure_call_costs(backend::cpu::Context& ctx, int cores) {
   CallCosts k;
   k.kernel = per_call([&] { backend::Cpu::add_inplace(ctx, a.data(), b.data(), 256); });
   k.gemm = per_call([&] { ctx.gemm<float, float>(c.data(), a.data(), b.data(), nullptr, 8, 8, 8, {}); });
-  // Ranks of one thread each, busy with GEMMs: `ranks` of them for a fixed time.
-  auto throughput = [&](int ranks) {
+  // Ranks of one thread each (or one rank of `threads`), busy with GEMMs of a small
+  // layer's size and meeting after each, as ranks meet at their
+  // collectives: the work done in a fixed time.
+  auto throughput = [&](int ranks, int threads) {
     double flops = 0.0;
     std::mutex m;
     comm::run_threads(ranks,
                       [&](comm::ThreadComm& world) {
                         backend::cpu::Context mine;
                         constexpr std::int64_t d = 256;
-                        Buffer<float> x(d * d), y(d * d), z(d * d);
+                        Buffer<float> x(4 * d * d), y(d * d), z(4 * d * d);
                         x.zero();
                         y.zero();
                         world.barrier();
                         const auto t0 = clock::now();
                         double done = 0.0;
-                        while (std::chrono::duration<double>(clock::now() - t0).count() < 0.4) {
-                          mine.gemm<float, float>(z.data(), x.data(), y.data(), nullptr, d, d, d, {});
-                          done += 2.0 * d * d * d;
+                        bool more = true;
+                        while (more) {
+                          mine.gemm<float, float>(z.data(), x.data(), y.data(), nullptr, 4 * d, d, d, {});
+                          done += 2.0 * 4 * d * d * d;
+                          // The meeting: rank 0's word on whether time is up, so all leave together.
+                          float stop =
+                              world.rank() == 0 && std::chrono::duration<double>(clock::now() - t0).count() > 0.4;
+                          world.broadcast(std::span<float>(&stop, 1), 0);
+                          more = stop == 0.0f;
                         }
                         std::lock_guard lock(m);
                         flops += done;
                       },
-                      {.omp_threads_per_rank = 1});
+                      {.omp_threads_per_rank = threads});
     return flops;
   };
-  k.oversubscribed = std::min(1.0, throughput(2 * cores) / throughput(cores));
-  std::printf("  call costs: a kernel %.1f us, a GEMM %.1f us; %d ranks on %d cores run at %.2f of %d\n",
-              k.kernel * 1e6, k.gemm * 1e6, 2 * cores, cores, k.oversubscribed, cores);
+  const double one_rank = throughput(1, cores), per_core = throughput(cores, 1);
+  k.shared_ranks = std::clamp(per_core / one_rank, 0.05, 2.0);
+  k.oversubscribed = std::clamp(throughput(2 * cores, 1) / per_core, 0.05, 1.0);
+  std::printf(
+      "  call costs: a kernel %.1f us, a GEMM %.1f us; %d ranks of a thread run at %.2f of 1 rank of %d; %d ranks at "
+      "%.2f of %d\n",
+      k.kernel * 1e6, k.gemm * 1e6, cores, k.shared_ranks, cores, 2 * cores, k.oversubscribed, cores);
   return k;
 }
 
@@ -489,6 +507,7 @@ plan::Cluster calibrate() {
   const CallCosts calls = measure_call_costs(ctx, cores);
   c.kernel_overhead = calls.kernel;
   c.gemm_overhead = calls.gemm;
+  c.shared_ranks = calls.shared_ranks;
   c.oversubscribed = calls.oversubscribed;
   const CommCalibration comm = measure_thread_comm(std::max(2, cores));
   c.intra = comm.link;
@@ -505,15 +524,6 @@ struct Measured {
   double step_ms = 0;
   double total() const { return parameters + gradients + optimizer + activations + buffers; }
 };
-
-// Runs train_gpt with `args`, its metrics into `metrics`; false when it failed.
-bool run_train_gpt(const std::string& exe, const std::vector<std::string>& args, const std::string& log) {
-  std::string cmd = "'" + exe + "'";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " > '" + log + "' 2>&1";
-  const int rc = std::system(cmd.c_str());
-  return rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0;
-}
 
 Measured read_metrics(const std::string& path) {
   Measured m;
@@ -696,7 +706,7 @@ int validate(const std::string& exe, const plan::Cluster& c, const std::string& 
       std::printf("pass %d/%d, run %2zu/%zu: --ranks %d %s ... ", pass + 1, repeats, i + 1, grid.size(), ranks,
                   describe(o, ranks).c_str());
       std::fflush(stdout);
-      if (!run_train_gpt(exe, args, log)) {
+      if (!tools::run_program(exe, args, log)) {
         std::printf("train_gpt failed (%s)\n", log.c_str());
         failed[i] = true;
         ++failures;
@@ -765,14 +775,6 @@ int validate(const std::string& exe, const plan::Cluster& c, const std::string& 
   return ok ? 0 : 1;
 }
 
-// train_gpt beside this program (the build puts both in examples/).
-std::string default_train_gpt(const char* argv0) {
-  std::error_code ec;
-  const auto self = std::filesystem::canonical("/proc/self/exe", ec);
-  const auto dir = ec ? std::filesystem::path(argv0).parent_path() : self.parent_path();
-  return (dir / "train_gpt").string();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -826,7 +828,7 @@ int main(int argc, char** argv) {
     if (o.precision.empty()) o.precision = c.shared_node ? "fp32" : "bf16";
     o.backend = c.shared_node ? "cpu" : "cuda";
     if (validate_grid) {
-      const std::string exe = train_gpt_exe.empty() ? default_train_gpt(argv[0]) : train_gpt_exe;
+      const std::string exe = train_gpt_exe.empty() ? tools::beside_this_program(argv[0], "train_gpt") : train_gpt_exe;
       LLMPAR_CHECK(std::filesystem::exists(exe), "--validate runs train_gpt, but ", exe,
                    " does not exist; build it, or give --train-gpt PATH");
       LLMPAR_CHECK(c.shared_node,

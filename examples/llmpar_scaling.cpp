@@ -7,7 +7,8 @@
 //
 // What it does, in order (each run is train_gpt, its log and metrics in OUT/runs/):
 //  1. Learning rate (--lr-sweep, on by default): a short sweep of learning rates at two
-//     widths, in the standard parametrisation and in µP (rule_of_sweep). Where µP's best
+//     widths (4x and 16x the family's smallest; the narrower is µP's base width), in
+//     the standard parametrisation and in µP (plan::rate_rule). Where µP's best
 //     rate stays put between the widths, every run that follows trains in µP at the base
 //     width's best rate; where it moves too, they train in SP at the rate SP's own best
 //     rates give, lr · (base / width)^e with e measured by the sweep (unless --lr).
@@ -23,7 +24,6 @@
 // OUT/scaling.json (the report), OUT/runs.csv and, with ./llmpar.sh scaling, the plot.
 // Finished runs are kept in OUT/runs.jsonl: a sweep stopped and started again reruns
 // only what is missing.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -44,6 +44,7 @@
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/plan/scaling.hpp"
 #include "llmpar/train/metrics.hpp"
+#include "subprocess.hpp"
 
 using namespace llmpar;
 namespace fs = std::filesystem;
@@ -230,12 +231,8 @@ class Sweep {
         args.emplace_back("--mup-base-dim");
         args.push_back(std::to_string(r.mup_base));
       }
-      std::string cmd = "'" + c_.train_gpt + "'";
-      for (const std::string& a : args) cmd += " '" + a + "'";
-      cmd += " > '" + base + ".log' 2>&1";
       fs::remove(base + ".jsonl");
-      const int rc = std::system(cmd.c_str());
-      const bool ok = rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0;
+      const bool ok = tools::run_program(c_.train_gpt, args, base + ".log");
       r.loss = ok ? final_val_loss(base + ".jsonl") : std::numeric_limits<double>::quiet_NaN();
       LLMPAR_CHECK(ok || r.role.rfind("lr-", 0) == 0, "train_gpt failed for run ", r.name, "; see ", base, ".log");
     }
@@ -299,20 +296,25 @@ int run_sweep(const SweepConfig& c) {
   for (int k = 1; k <= 5; ++k) fit_shapes.push_back(family(k, c));
   const double fit_max = params_of(fit_shapes.back(), c);
   const Shape held = smallest_above(fit_max * std::sqrt(10.0), c);
-  const std::int64_t base_width = fit_shapes.front().dim;
+  // µP's base width and the sweep's narrower width: 4x the family's smallest (64 at
+  // budget 1). Below that (16 channels, one head) µP is too far from the wide limit it
+  // rests on for its best rate to hold still: measured, it moved as SP's did between
+  // widths 16 and 64, and held between 64 and 256.
+  const std::int64_t base_width = 4 * fit_shapes.front().dim;
   std::vector<Run> runs;
-  // 1. Learning rates at two widths (4x apart, the same depth) in both parametrisations.
-  const std::vector<double> rates{1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2};
+  // 1. Learning rates at two widths (4x apart, two layers) in both parametrisations.
+  const std::vector<double> rates{2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2};
   if (c.lr_sweep) {
-    const std::int64_t depth = fit_shapes[2].layers;
+    const std::int64_t depth = 2;
     for (bool mup : {false, true})
       for (std::int64_t width : {base_width, 4 * base_width})
         for (double lr : rates) {
           Run r;
           r.role = mup ? "lr-mup" : "lr-sp";
           r.shape = {depth, width};
-          // The same tokens at both widths: 20 per parameter of the model between them.
-          r.tokens = std::round(c.tokens_per_param * params_of({depth, 2 * base_width}, c));
+          // The same tokens at both widths, 4 per parameter of the base width's model
+          // (0.5M at budget 1): enough to place the best rate, which is all the sweep is for.
+          r.tokens = std::round(4.0 * params_of({depth, base_width}, c));
           r.lr = lr;
           r.mup = mup;
           r.mup_base = base_width;
@@ -423,12 +425,6 @@ int run_sweep(const SweepConfig& c) {
   return 0;
 }
 
-std::string beside_this_program(const char* argv0, const char* name) {
-  std::error_code ec;
-  const auto self = fs::canonical("/proc/self/exe", ec);
-  return ((ec ? fs::path(argv0).parent_path() : self.parent_path()) / name).string();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -468,7 +464,7 @@ int main(int argc, char** argv) {
       LLMPAR_CHECK(!c.data.empty(),
                    "give --data: token shards of English text (./llmpar.sh scaling prepares "
                    "data/docs_train.bin from the Debian packages it installs)");
-      if (c.train_gpt.empty()) c.train_gpt = beside_this_program(argv[0], "train_gpt");
+      if (c.train_gpt.empty()) c.train_gpt = tools::beside_this_program(argv[0], "train_gpt");
       LLMPAR_CHECK(fs::exists(c.train_gpt), "train_gpt not found at ", c.train_gpt, "; build it or give --train-gpt");
     }
     return run_sweep(c);

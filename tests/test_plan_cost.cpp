@@ -222,6 +222,37 @@ TEST_CASE("step time: the bubble, recomputation, ZeRO's traffic and MFU") {
   CHECK(inside < z0);
 }
 
+TEST_CASE("a shared node: ranks split its cores, lose the measured fractions, and share the bubble") {
+  const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-tiny");
+  Cluster c = test_cluster();
+  c.nodes = 1;
+  c.devices_per_node = 2;  // two cores
+  c.shared_node = true;
+  Layout l = whole(cfg);
+  l.micro_batch = 4;
+  l.grad_accum = 4;
+  // Two pipeline ranks: each has half the cores for half the blocks, the shared-ranks
+  // fraction on top.
+  l.pp = 2;
+  l.partition = pipeline::even_partition(cfg.layers, 2);
+  const plan::Time two = plan::step_time(cfg, 64, l, c);
+  c.shared_ranks = 0.8;
+  const plan::Time slower = plan::step_time(cfg, 64, l, c);
+  CHECK(slower.compute == doctest::Approx(two.compute / 0.8).epsilon(1e-9));
+  CHECK(slower.bubble == doctest::Approx(two.bubble / 0.8).epsilon(1e-9));
+  // Four ranks on two cores (pp 2 x dp 2): the oversubscription loss too, and a rank
+  // idle in the bubble gives its turn to another, so only cores / ranks of it is lost.
+  l.dp = 2;
+  l.micro_batch = 2;
+  const plan::Time four = plan::step_time(cfg, 64, l, c);
+  c.oversubscribed = 0.5;
+  const plan::Time turns = plan::step_time(cfg, 64, l, c);
+  CHECK(turns.compute == doctest::Approx(four.compute / 0.5).epsilon(1e-9));
+  const pipeline::Report r = plan::schedule_report(l, {.forward = 1.0, .backward = 2.0});
+  const double idle = r.makespan / (l.grad_accum * 3.0) - 1.0;  // the bubble over the busy time
+  CHECK(turns.bubble == doctest::Approx(idle * turns.compute * 2.0 / 4.0).epsilon(1e-6));
+}
+
 TEST_CASE("a layout that needs more than the device holds does not fit, and says why") {
   const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-1.5b");
   Cluster c = Cluster::preset("h100x8x1");
@@ -268,6 +299,13 @@ TEST_CASE("cluster presets, files and their errors") {
     out << j.dump();
   }
   CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "overlap is 2"));
+  {
+    std::ofstream out(path);
+    nlohmann::json j = h.to_json();
+    j["shared_ranks"] = 0.0;
+    out << j.dump();
+  }
+  CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "shared_ranks is 0"));
   {
     std::ofstream out(path);
     out << "{not json";

@@ -85,6 +85,7 @@ struct Cluster {
   double collective_overhead = 0.0;  // seconds of compute one communication-thread collective costs
   double kernel_overhead = 0.0;      // seconds a kernel call costs beyond its work (launch, fork/join)
   double gemm_overhead = 0.0;        // seconds a GEMM call costs beyond its work
+  double shared_ranks = 1.0;         // a shared node's throughput with a rank per core, relative to one rank on all
   double oversubscribed = 1.0;       // a shared node's throughput with twice as many ranks as cores, relative
 
   int devices() const { return nodes * devices_per_node; }
@@ -124,6 +125,8 @@ struct Cluster {
                  "; it is a fraction in [0, 1]");
     LLMPAR_CHECK(kernel_overhead >= 0.0 && gemm_overhead >= 0.0, "cluster '", name, "': call overheads (kernel ",
                  kernel_overhead, " s, GEMM ", gemm_overhead, " s) must be >= 0");
+    LLMPAR_CHECK(shared_ranks > 0.0 && shared_ranks <= 2.0, "cluster '", name, "': shared_ranks is ", shared_ranks,
+                 "; it is a throughput ratio in (0, 2]");
     LLMPAR_CHECK(oversubscribed > 0.0 && oversubscribed <= 1.0, "cluster '", name, "': oversubscribed is ",
                  oversubscribed, "; it is a throughput fraction in (0, 1]");
     LLMPAR_CHECK(collective_overhead >= 0.0, "cluster '", name, "': collective_overhead is ", collective_overhead,
@@ -208,6 +211,7 @@ struct Cluster {
             {"collective_overhead", collective_overhead},
             {"kernel_overhead", kernel_overhead},
             {"gemm_overhead", gemm_overhead},
+            {"shared_ranks", shared_ranks},
             {"oversubscribed", oversubscribed}};
   }
 
@@ -244,6 +248,7 @@ struct Cluster {
       c.collective_overhead = j.at("collective_overhead").get<double>();
       c.kernel_overhead = j.at("kernel_overhead").get<double>();
       c.gemm_overhead = j.at("gemm_overhead").get<double>();
+      c.shared_ranks = j.value("shared_ranks", 1.0);  // files from before it was measured: 1
       c.oversubscribed = j.at("oversubscribed").get<double>();
     } catch (const nlohmann::json::exception& e) {
       LLMPAR_FAIL("cluster ", from, ": ", e.what(), "; rewrite it with llmpar-plan --calibrate FILE");

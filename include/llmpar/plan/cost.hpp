@@ -383,11 +383,14 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
     }
   }
   const double m = static_cast<double>(l.grad_accum);
-  // More ranks than cores on a shared node: they take turns, at the measured loss.
-  if (c.shared_node && share > static_cast<double>(c.devices_per_node)) {
-    worst_forward /= c.oversubscribed;
-    worst_backward /= c.oversubscribed;
-    worst_weight /= c.oversubscribed;
+  // Ranks sharing a node's cores (a rank per core, each synchronising with the others)
+  // run at the measured fraction of one rank on them all; more ranks than cores take
+  // turns, at the measured loss on top.
+  if (c.shared_node && share > 1.0) {
+    const double speed = c.shared_ranks * (share > static_cast<double>(c.devices_per_node) ? c.oversubscribed : 1.0);
+    worst_forward /= speed;
+    worst_backward /= speed;
+    worst_weight /= speed;
   }
   time.compute = m * (worst_forward + worst_backward);
   time.tensor_comm = m * worst_tp;
@@ -396,6 +399,10 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
         l,
         {.forward = worst_forward, .backward = worst_backward, .weight = std::min(worst_weight, 0.9 * worst_backward)});
     time.bubble = std::max(0.0, r.makespan - time.compute);
+    // More ranks than cores: a rank idle in the bubble leaves its turn on a core to the
+    // ranks that have work, so only the cores' share of the bubble is lost.
+    if (c.shared_node && share > static_cast<double>(c.devices_per_node))
+      time.bubble *= static_cast<double>(c.devices_per_node) / share;
   }
 
   // Data parallelism over this stage's store: ZeRO 0 all-reduces the gradients once a
