@@ -217,9 +217,8 @@ void print_breakdown(const Options& o, int world, const plan::Cluster& c) {
 // ---- --calibrate: this machine as a cluster of thread ranks.
 
 // The median time of `body` over at least 5 calls and `seconds` of calls, after `warm`
-// seconds of warm-up: what a training step sees of a kernel it calls among others
-// (the best time, which a kernel reaches only with its data hot and nothing beside it,
-// made the calibrated machine 20-40% faster than its training steps).
+// seconds of warm-up: what a training step sees of a kernel it calls among others, not
+// the best time, which a kernel reaches only with its data hot and nothing beside it.
 template <class Body>
 double typical_seconds(Body&& body, double warm, double seconds) {
   using clock = std::chrono::steady_clock;
