@@ -476,7 +476,8 @@ CommCalibration measure_thread_comm(int ranks) {
   return out;
 }
 
-plan::Cluster calibrate() {
+// One pass of every measurement.
+plan::Cluster calibration_pass() {
   plan::Cluster c;
   const int cores = omp_get_max_threads();
   char host[256] = "cpu";
@@ -512,7 +513,54 @@ plan::Cluster calibrate() {
   c.intra = comm.link;
   c.inter = comm.link;
   c.collective_overhead = comm.collective_overhead;
+  return c;
+}
+
+// The calibration: every figure the median of kCalibrationPasses passes. One pass's
+// figures move by several percent from pass to pass (the ranks' fractions and the call
+// costs most), enough to reorder layouts whose predicted times are that close.
+constexpr int kCalibrationPasses = 3;
+
+plan::Cluster calibrate() {
+  std::vector<plan::Cluster> passes;
+  for (int p = 0; p < kCalibrationPasses; ++p) {
+    std::printf("pass %d/%d\n", p + 1, kCalibrationPasses);
+    passes.push_back(calibration_pass());
+  }
+  using Field = double& (*)(plan::Cluster&);
+  const Field fields[] = {
+      [](plan::Cluster& c) -> double& { return c.fp32.peak_flops; },
+      [](plan::Cluster& c) -> double& { return c.fp32.half; },
+      [](plan::Cluster& c) -> double& { return c.bf16.peak_flops; },
+      [](plan::Cluster& c) -> double& { return c.bf16.half; },
+      [](plan::Cluster& c) -> double& { return c.fp16.peak_flops; },
+      [](plan::Cluster& c) -> double& { return c.fp16.half; },
+      [](plan::Cluster& c) -> double& { return c.fp32_kernels.elementwise; },
+      [](plan::Cluster& c) -> double& { return c.fp32_kernels.attention; },
+      [](plan::Cluster& c) -> double& { return c.bf16_kernels.elementwise; },
+      [](plan::Cluster& c) -> double& { return c.bf16_kernels.attention; },
+      [](plan::Cluster& c) -> double& { return c.fp16_kernels.elementwise; },
+      [](plan::Cluster& c) -> double& { return c.fp16_kernels.attention; },
+      [](plan::Cluster& c) -> double& { return c.memory_bandwidth; },
+      [](plan::Cluster& c) -> double& { return c.kernel_overhead; },
+      [](plan::Cluster& c) -> double& { return c.gemm_overhead; },
+      [](plan::Cluster& c) -> double& { return c.shared_ranks; },
+      [](plan::Cluster& c) -> double& { return c.oversubscribed; },
+      [](plan::Cluster& c) -> double& { return c.intra.busbw; },
+      [](plan::Cluster& c) -> double& { return c.intra.latency; },
+      [](plan::Cluster& c) -> double& { return c.collective_overhead; },
+  };
+  plan::Cluster c = passes.front();
+  for (const Field field : fields) {
+    std::vector<double> values;
+    for (plan::Cluster& p : passes) values.push_back(field(p));
+    std::sort(values.begin(), values.end());
+    field(c) = values[values.size() / 2];
+  }
+  c.inter = c.intra;
   c.validate();
+  std::printf("the median of %d passes: fp32 GEMM peak %.1f GFLOP/s, shared ranks %.3f, oversubscribed %.3f\n",
+              kCalibrationPasses, c.fp32.peak_flops * 1e-9, c.shared_ranks, c.oversubscribed);
   return c;
 }
 

@@ -14,13 +14,17 @@
 //     rates give, lr · (base / width)^e with e measured by the sweep (unless --lr).
 //  2. The fit sweep: at least 5 models of one family spanning 30x in parameters, width and
 //     depth grown together (head dimension fixed, layers ~ width / aspect), each trained
-//     for `--tokens-per-param` (20, Chinchilla) tokens per parameter, at that rate. The two
-//     smallest also train at 1/4 and 4x that ratio: the Chinchilla fit needs runs where
-//     N and D do not move together.
+//     for `--tokens-per-param` (20, Chinchilla) tokens per parameter in steps of a batch
+//     that grows with compute (plan::BatchRule: one sequence at the smallest run, --batch
+//     at the held-out one), and each the best of a walk over learning rates a factor 2
+//     apart (plan::next_rate) centred where the sizes before it point (plan::RateTrend).
+//     The two smallest also train at 1/4 and 4x that ratio: the Chinchilla fit needs runs
+//     where N and D do not move together.
 //  3. The fits (plan/scaling.hpp): L(C) = a·C^b + c over the rule's runs, L(N, D) = E +
 //     A/N^α + B/D^β over all of them, with bootstrap intervals.
 //  4. The held-out model: one with at least 10x the compute of the largest fit run,
-//     trained the same way; its achieved loss against the prediction and interval.
+//     trained once, at the rate the trend of the fit's best rates gives its compute; its
+//     achieved loss against the prediction and interval.
 // OUT/scaling.json (the report), OUT/runs.csv and, with ./llmpar.sh scaling, the plot.
 // Finished runs are kept in OUT/runs.jsonl: a sweep stopped and started again reruns
 // only what is missing.
@@ -41,6 +45,7 @@
 #include <vector>
 
 #include "llmpar/core/error.hpp"
+#include "llmpar/data/dataset.hpp"
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/plan/scaling.hpp"
 #include "llmpar/train/metrics.hpp"
@@ -113,25 +118,34 @@ struct Run {
   double tokens = 0.0, lr = 0.0;
   bool mup = true;
   std::int64_t mup_base = 32;
+  std::int64_t batch = 16;  // sequences per step, over all ranks (plan::BatchRule)
   // results
   bool done = false;
   double params = 0.0, flops = 0.0, loss = 0.0, seconds = 0.0;
 };
 
 std::int64_t steps_of(const Run& r, const SweepConfig& c) {
-  return std::max<std::int64_t>(20, std::llround(r.tokens / static_cast<double>(c.batch * c.seq)));
+  return std::max<std::int64_t>(20, std::llround(r.tokens / static_cast<double>(r.batch * c.seq)));
 }
 
-double flops_of(const Run& r, const SweepConfig& c) {
-  const models::GPT2Config cfg = config_of(r.shape, c);
-  const double tokens = static_cast<double>(steps_of(r, c) * c.batch * c.seq);
+// Training FLOPs of `tokens` tokens through the model of `s` (6·N·D plus attention).
+double flops_of(const Shape& s, double tokens, const SweepConfig& c) {
+  const models::GPT2Config cfg = config_of(s, c);
   return train::flops_per_token(cfg.num_parameters(), cfg.layers, cfg.dim, c.seq) * tokens;
+}
+
+// The tokens a run trains on: its budget, in whole steps.
+double tokens_of(const Run& r, const SweepConfig& c) { return static_cast<double>(steps_of(r, c) * r.batch * c.seq); }
+
+// Validation batches of a run: the same tokens (eval_batches at --batch) whatever its batch.
+std::int64_t eval_batches_of(const Run& r, const SweepConfig& c) {
+  return std::max<std::int64_t>(1, c.eval_batches * c.batch / r.batch);
 }
 
 nlohmann::json record_of(const Run& r) {
   return {{"name", r.name},     {"role", r.role},         {"layers", r.shape.layers},
           {"dim", r.shape.dim}, {"tokens", r.tokens},     {"lr", r.lr},
-          {"mup", r.mup},       {"mup_base", r.mup_base}, {"params", r.params},
+          {"mup", r.mup},       {"mup_base", r.mup_base}, {"batch", r.batch},  {"params", r.params},
           {"flops", r.flops},   {"loss", r.loss},         {"seconds", r.seconds}};
 }
 
@@ -141,7 +155,8 @@ bool reuse(Run& r, const std::map<std::string, nlohmann::json>& finished) {
   if (it == finished.end()) return false;
   const nlohmann::json& j = it->second;
   if (j.at("layers") != r.shape.layers || j.at("dim") != r.shape.dim || j.at("tokens") != r.tokens ||
-      std::abs(j.at("lr").get<double>() - r.lr) > 1e-12 * r.lr || j.at("mup") != r.mup)
+      std::abs(j.at("lr").get<double>() - r.lr) > 1e-12 * r.lr || j.at("mup") != r.mup ||
+      j.value("batch", std::int64_t{0}) != r.batch)
     return false;
   r.params = j.at("params");
   r.flops = j.at("flops");
@@ -169,6 +184,12 @@ std::string rate_flag(double lr) {
   return s;
 }
 
+// The loss of the bigram table of the training tokens on the validation tokens.
+double bigram_loss(const std::string& train) {
+  const data::TokenShard t(train), v(data::val_pattern_of(train));
+  return data::bigram_cross_entropy(t.tokens(), v.tokens());
+}
+
 class Sweep {
  public:
   explicit Sweep(SweepConfig c) : c_(std::move(c)) {
@@ -181,13 +202,13 @@ class Sweep {
   }
 
   // Trains r (or takes its result from an earlier sweep); prints one progress line.
-  void train(Run& r, int index, int total) {
+  void train(Run& r, int index) {
     r.params = params_of(r.shape, c_);
-    r.flops = flops_of(r, c_);
+    r.flops = flops_of(r.shape, tokens_of(r, c_), c_);
     const std::int64_t steps = steps_of(r, c_);
-    std::printf("run %2d/%d %-14s L=%lld C=%lld %7.3fM params %7.2fM tokens %.2e FLOPs lr %.2e%s: ", index, total,
-                r.name.c_str(), static_cast<long long>(r.shape.layers), static_cast<long long>(r.shape.dim),
-                r.params * 1e-6, r.tokens * 1e-6, r.flops, r.lr, r.mup ? " µP" : " SP");
+    std::printf("run %3d %-28s %7.3fM params %7.2fM tokens %.2e FLOPs batch %2lld lr %.3g%s: ", index,
+                r.name.c_str(), r.params * 1e-6, r.tokens * 1e-6, r.flops, static_cast<long long>(r.batch), r.lr,
+                r.mup ? " µP" : " SP");
     std::fflush(stdout);
     if (reuse(r, finished_)) {
       std::printf("val loss %.4f (from %s/runs.jsonl)\n", r.loss, c_.out.c_str());
@@ -211,7 +232,7 @@ class Sweep {
                                     "--seq",
                                     std::to_string(c_.seq),
                                     "--batch",
-                                    std::to_string(c_.batch / c_.ranks),
+                                    std::to_string(r.batch / c_.ranks),
                                     "--steps",
                                     std::to_string(steps),
                                     "--warmup",
@@ -221,7 +242,7 @@ class Sweep {
                                     "--eval-every",
                                     std::to_string(steps),
                                     "--eval-batches",
-                                    std::to_string(c_.eval_batches),
+                                    std::to_string(eval_batches_of(r, c_)),
                                     "--sample-tokens",
                                     "0",
                                     "--metrics",
@@ -246,6 +267,16 @@ class Sweep {
   }
 
   const SweepConfig& config() const { return c_; }
+
+  // The rates of the finished runs whose names start with `prefix` (a model, its tokens
+  // and batch): a walk started again takes them up where it stopped.
+  std::vector<double> rates_of(const std::string& prefix) const {
+    std::vector<double> rates;
+    for (const auto& [name, j] : finished_)
+      if (name.rfind(prefix, 0) == 0 && name.find('-', prefix.size()) == std::string::npos)
+        rates.push_back(j.at("lr").get<double>());
+    return rates;
+  }
 
  private:
   // --synthetic: Chinchilla's law with the paper's parameters (rescaled to this
@@ -289,49 +320,64 @@ std::string describe(const plan::RateRule& r) {
 
 int run_sweep(const SweepConfig& c) {
   Sweep sweep(c);
-  // Five sizes of the family (44x in parameters at budget 1, 9.5k to 420k), and the
-  // held-out model: the smallest with sqrt(10) x the largest's parameters, so 10x its
-  // compute at the same tokens per parameter.
+  // Five sizes of the family (44x in parameters at budget 1, 9.5k to 420k), and between
+  // each two the smallest model of at least their geometric mean parameters: nine sizes,
+  // so that enough of them are past the small models' plateau (below). The held-out
+  // model: the smallest with sqrt(10) x the largest's parameters, so 10x its compute at
+  // the same tokens per parameter.
   std::vector<Shape> fit_shapes;
-  for (int k = 1; k <= 5; ++k) fit_shapes.push_back(family(k, c));
+  for (int k = 1; k <= 5; ++k) {
+    if (k > 1)
+      fit_shapes.push_back(smallest_above(std::sqrt(params_of(family(k - 1, c), c) * params_of(family(k, c), c)), c));
+    fit_shapes.push_back(family(k, c));
+  }
   const double fit_max = params_of(fit_shapes.back(), c);
   const Shape held = smallest_above(fit_max * std::sqrt(10.0), c);
+  auto rule_flops = [&](const Shape& s) { return flops_of(s, c.tokens_per_param * params_of(s, c), c); };
+  // Sequences per step: 1 (per rank) at the smallest fit run, --batch at the held-out one.
+  const plan::BatchRule batch{.c_min = rule_flops(fit_shapes.front()),
+                              .c_max = rule_flops(held),
+                              .largest = c.batch,
+                              .multiple = c.ranks};
+  batch.validate();
+  std::printf("batch: %lld sequences per step at %.2e FLOPs to %lld at %.2e, as C^%.3f\n",
+              static_cast<long long>(batch.at(batch.c_min)), batch.c_min, static_cast<long long>(batch.largest),
+              batch.c_max, batch.exponent());
   // µP's base width and the sweep's narrower width: 4x the family's smallest (64 at
   // budget 1). Below that (16 channels, one head) µP is too far from the wide limit it
   // rests on for its best rate to hold still: measured, it moved as SP's did between
   // widths 16 and 64, and held between 64 and 256.
   const std::int64_t base_width = 4 * fit_shapes.front().dim;
-  std::vector<Run> runs;
-  // 1. Learning rates at two widths (4x apart, two layers) in both parametrisations.
+  int index = 0;
+  // 1. Learning rates at two widths (4x apart, two layers) in both parametrisations, with
+  //    the same tokens at both widths, 4 per parameter of the base width's model (0.5M at
+  //    budget 1: enough to place the best rate, which is all the sweep is for) and the
+  //    batch the rule gives the base width's run.
   const std::vector<double> rates{2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2};
+  const Shape sweep_base{2, base_width};
+  const double sweep_tokens = std::round(4.0 * params_of(sweep_base, c));
+  const std::int64_t sweep_batch = batch.at(flops_of(sweep_base, sweep_tokens, c));
+  std::vector<plan::LrSweepPoint> lr_sweep;
   if (c.lr_sweep) {
-    const std::int64_t depth = 2;
     for (bool mup : {false, true})
       for (std::int64_t width : {base_width, 4 * base_width})
         for (double lr : rates) {
           Run r;
           r.role = mup ? "lr-mup" : "lr-sp";
-          r.shape = {depth, width};
-          // The same tokens at both widths, 4 per parameter of the base width's model
-          // (0.5M at budget 1): enough to place the best rate, which is all the sweep is for.
-          r.tokens = std::round(4.0 * params_of({depth, base_width}, c));
+          r.shape = {sweep_base.layers, width};
+          r.tokens = sweep_tokens;
           r.lr = lr;
           r.mup = mup;
           r.mup_base = base_width;
+          r.batch = sweep_batch;
           char name[64];
-          std::snprintf(name, sizeof name, "%s-C%lld-lr%.3g", mup ? "mup" : "sp", static_cast<long long>(width), lr);
+          std::snprintf(name, sizeof name, "%s-C%lld-b%lld-lr%.3g", mup ? "mup" : "sp", static_cast<long long>(width),
+                        static_cast<long long>(sweep_batch), lr);
           r.name = name;
-          runs.push_back(r);
+          sweep.train(r, ++index);
+          lr_sweep.push_back({mup ? plan::Parametrization::mup : plan::Parametrization::sp, width, lr, r.loss});
         }
   }
-  const std::size_t lr_runs = runs.size();
-  int index = 0;
-  const int total_estimate = static_cast<int>(lr_runs + fit_shapes.size() + 4 + 1);  // fit, ratio, held-out
-  for (std::size_t i = 0; i < lr_runs; ++i) sweep.train(runs[i], ++index, total_estimate);
-  std::vector<plan::LrSweepPoint> lr_sweep;
-  for (std::size_t i = 0; i < lr_runs; ++i)
-    lr_sweep.push_back({runs[i].mup ? plan::Parametrization::mup : plan::Parametrization::sp, runs[i].shape.dim,
-                        runs[i].lr, runs[i].loss});
   std::optional<plan::RateRule> chosen;
   if (c.lr_sweep && !c.lr) chosen = plan::rate_rule(lr_sweep, base_width, 4 * base_width, c.mup);
   const plan::RateRule rate =
@@ -340,52 +386,141 @@ int run_sweep(const SweepConfig& c) {
                                      .base_width = base_width,
                                      .why = c.lr ? "--lr" : "the default without the sweep"});
   std::printf("%s\n", describe(rate).c_str());
-  // 2. The fit sweep, and the off-rule runs of the two smallest models.
-  auto add = [&](const Shape& s, double ratio, const char* role) {
+
+  // 2. The fit sweep, and the off-rule runs of the two smallest models. Each is the best
+  //    of a walk over rates a factor 2 apart (plan::next_rate), centred where the best
+  //    rates of the sizes before it point (plan::RateTrend), or for the first two where
+  //    the rule points (scaled by sqrt(batch / the sweep's batch), Adam's rule for a
+  //    smaller batch). A fit over one rate for every size would measure how far each is
+  //    from its best rate as much as the model.
+  const bool tuning = !c.lr && !c.synthetic;
+  auto make = [&](const Shape& s, double ratio, const char* role, double lr) {
     Run r;
     r.role = role;
     r.shape = s;
     r.params = params_of(s, c);
     r.tokens = std::round(ratio * r.params);
-    r.lr = rate.at(s.dim);
+    r.batch = batch.at(flops_of(s, r.tokens, c));
+    r.lr = lr;
     r.mup = rate.parametrization == plan::Parametrization::mup;
     r.mup_base = base_width;
-    char name[64];
-    std::snprintf(name, sizeof name, "%s-L%lld-C%lld-x%g", role, static_cast<long long>(s.layers),
-                  static_cast<long long>(s.dim), ratio);
+    char name[96];
+    std::snprintf(name, sizeof name, "%s-L%lld-C%lld-x%g-b%lld-lr%.3g", role, static_cast<long long>(s.layers),
+                  static_cast<long long>(s.dim), ratio, static_cast<long long>(r.batch), lr);
     r.name = name;
-    runs.push_back(r);
+    return r;
   };
-  for (const Shape& s : fit_shapes) add(s, c.tokens_per_param, "fit");
-  for (int k = 0; k < 2; ++k)
-    for (double f : {0.25, 4.0}) add(fit_shapes[static_cast<std::size_t>(k)], f * c.tokens_per_param, "ratio");
-  add(held, c.tokens_per_param, "held-out");
-  const int total = static_cast<int>(runs.size());
-  for (std::size_t i = lr_runs; i + 1 < runs.size(); ++i) sweep.train(runs[i], ++index, total);
+  std::vector<std::pair<double, double>> trend_points;  // (FLOPs, best rate) of the tuned fit sizes
+  auto center_of = [&](const Run& r) {
+    if (trend_points.size() >= 2) return plan::fit_rate_trend(trend_points).at(flops_of(r.shape, r.tokens, c));
+    return rate.at(r.shape.dim) * std::sqrt(static_cast<double>(r.batch) / static_cast<double>(sweep_batch));
+  };
+  struct Tuned {
+    Run run;            // the walk's best
+    double rate = 0.0;  // the parabola's vertex: the best rate
+  };
+  auto tune = [&](const Shape& s, double ratio, const char* role) {
+    const Run probe = make(s, ratio, role, 1.0);
+    const double center = c.lr ? *c.lr : center_of(probe);
+    if (!tuning) {
+      Run r = make(s, ratio, role, c.lr ? *c.lr : rate.at(s.dim));
+      sweep.train(r, ++index);
+      return Tuned{r, r.lr};
+    }
+    std::vector<std::pair<double, double>> tried;
+    std::vector<Run> walk;
+    const std::string prefix = probe.name.substr(0, probe.name.rfind("-lr") + 3);
+    for (const double lr : sweep.rates_of(prefix)) {
+      Run r = make(s, ratio, role, lr);
+      sweep.train(r, ++index);
+      if (!r.done) continue;
+      tried.emplace_back(r.lr, r.loss);
+      walk.push_back(r);
+    }
+    while (const std::optional<double> lr = plan::next_rate(tried, center, 2.0, 6)) {
+      Run r = make(s, ratio, role, *lr);
+      sweep.train(r, ++index);
+      tried.emplace_back(r.lr, r.loss);
+      walk.push_back(r);
+    }
+    std::vector<plan::LrSweepPoint> curve;
+    const Run* best = nullptr;
+    for (const Run& r : walk) {
+      curve.push_back({rate.parametrization, s.dim, r.lr, r.loss});
+      if (std::isfinite(r.loss) && (best == nullptr || r.loss < best->loss)) best = &r;
+    }
+    LLMPAR_CHECK(best != nullptr, "every rate of the walk diverged for ", probe.name, "; see ", c.out, "/runs/");
+    const double vertex = plan::best_rate(curve, rate.parametrization, s.dim);
+    std::printf("  best: val loss %.4f at lr %.3g (the parabola's vertex: %.3g)\n", best->loss, best->lr, vertex);
+    trend_points.emplace_back(best->flops, vertex);
+    return Tuned{*best, vertex};
+  };
+  std::vector<Tuned> sizes;
+  for (const Shape& s : fit_shapes) sizes.push_back(tune(s, c.tokens_per_param, "fit"));
+  // The small models' plateau: a model that knows only the previous token reaches the
+  // bigram loss, and the smallest sizes sit there (on the documentation corpus, 2.62
+  // nats at 9.5k and 38k parameters) until they learn to use longer context, then fall
+  // steeply. No power law of compute describes that bend, and a fit through it predicts
+  // a larger model's loss too high (12% and 32% in two earlier sweeps), so the fits take
+  // the runs below the bigram loss and the report keeps the rest as excluded.
+  const double floor = c.synthetic ? std::numeric_limits<double>::infinity() : bigram_loss(c.data);
+  if (!c.synthetic) std::printf("bigram loss of the validation tokens: %.4f nats\n", floor);
+  std::vector<Run> fit, excluded;
+  std::vector<std::pair<double, double>> fit_rates;  // (FLOPs, best rate) of the fit's sizes
+  for (const Tuned& t : sizes) {
+    (t.run.loss < floor ? fit : excluded).push_back(t.run);
+    if (t.run.loss < floor) fit_rates.emplace_back(t.run.flops, t.rate);
+  }
+  LLMPAR_CHECK(fit.size() >= 4, "only ", fit.size(), " of the ", sizes.size(),
+               " fit sizes reached a loss below the bigram loss ", floor,
+               "; the power law needs 4. Give more compute (--budget) or more tokens per parameter");
+  std::optional<plan::RateTrend> trend;
+  if (tuning) {
+    trend = plan::fit_rate_trend(fit_rates);
+    std::printf("best rate against compute: %.3g x (C / %.2e)^%.3f\n", trend->lr_ref, trend->c_ref, trend->exponent);
+  }
+  // The off-rule runs of the two smallest sizes in the fit, once each at the trend's rate.
+  std::vector<Run> off_rule;
+  for (std::size_t k = 0; k < 2; ++k)
+    for (double f : {0.25, 4.0}) {
+      Run r = make(fit[k].shape, f * c.tokens_per_param, "ratio", 1.0);
+      r = make(fit[k].shape, f * c.tokens_per_param, "ratio",
+               trend ? trend->at(flops_of(r.shape, r.tokens, c)) : (c.lr ? *c.lr : rate.at(r.shape.dim)));
+      sweep.train(r, ++index);
+      (r.loss < floor ? off_rule : excluded).push_back(r);
+    }
 
   // 3. The fits, before the held-out run: the prediction is made without it.
+  auto scaling_run = [&](const Run& r) {
+    return plan::ScalingRun{r.name, r.params, tokens_of(r, c), flops_of(r.shape, tokens_of(r, c), c), r.loss};
+  };
   std::vector<plan::ScalingRun> rule, all;
-  for (std::size_t i = lr_runs; i + 1 < runs.size(); ++i) {
-    const Run& r = runs[i];
-    const plan::ScalingRun s{r.name, r.params, static_cast<double>(steps_of(r, c) * c.batch * c.seq), r.flops, r.loss};
-    (r.role == "fit" ? rule : all).push_back(s);
-  }
-  Run& h = runs.back();
-  h.params = params_of(h.shape, c);
-  h.flops = flops_of(h, c);
-  const plan::ScalingRun held_run{h.name, h.params, static_cast<double>(steps_of(h, c) * c.batch * c.seq), h.flops,
-                                  1.0};
+  for (const Run& r : fit) rule.push_back(scaling_run(r));
+  for (const Run& r : off_rule) all.push_back(scaling_run(r));
+  std::vector<plan::ScalingRun> below;
+  for (const Run& r : excluded) below.push_back(scaling_run(r));
+  char why[160];
+  std::snprintf(why, sizeof why, "val loss not below the bigram loss %.4f of the validation tokens", floor);
+  Run h = make(held, c.tokens_per_param, "held-out", 1.0);
+  h = make(held, c.tokens_per_param, "held-out",
+           c.lr ? *c.lr : (trend ? trend->at(flops_of(h.shape, h.tokens, c)) : rate.at(held.dim)));
+  plan::ScalingRun held_run = scaling_run(h);
+  held_run.loss = 1.0;
   plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all);
   const plan::Prediction p = before.predictions.front().power_law;
   std::printf("prediction for %s (%s params, %.2e FLOPs, %.1fx the largest fit run): val loss %.4f [%.4f, %.4f]\n",
-              h.name.c_str(), size_name(h.params).c_str(), h.flops, h.flops / rule.back().flops, p.value, p.lo, p.hi);
+              h.name.c_str(), size_name(h.params).c_str(), held_run.flops, held_run.flops / rule.back().flops,
+              p.value, p.lo, p.hi);
   // 4. The held-out run.
-  sweep.train(h, ++index, total);
+  sweep.train(h, ++index);
   plan::ScalingRun achieved = held_run;
   achieved.loss = h.loss;
   plan::ScalingReport report = plan::make_report(rule, {achieved}, {}, all);
   report.lr_sweep = lr_sweep;
   report.rate_rule = chosen;
+  report.rate_trend = trend;
+  report.excluded_runs = below;
+  if (!below.empty()) report.excluded_why = why;
 
   const plan::PowerLawFit& f = report.power_law.fit;
   const plan::PowerLawBootstrap& fb = report.power_law.bootstrap;
@@ -440,10 +575,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokens-per-param", c.tokens_per_param, "Tokens per parameter of the rule's runs")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "Sequence length")->capture_default_str();
-  app.add_option("--batch", c.batch, "Sequences per step (over all ranks)")->capture_default_str();
+  app.add_option("--batch", c.batch, "Sequences per step of the held-out run (over all ranks); smaller runs take fewer (plan::BatchRule)")->capture_default_str();
   app.add_option("--ranks", c.ranks, "Data-parallel thread ranks of every run")->capture_default_str();
-  app.add_option("--lr", lr, "Learning rate of the fit and held-out runs (default: the rule the sweep measures)");
-  app.add_flag("--no-lr-sweep", no_lr_sweep, "Skip the learning-rate sweep (then --lr, default 4e-3)");
+  app.add_option("--lr", lr, "One learning rate for every run (default: each fit run the best of a walk over rates, the held-out run at their trend)");
+  app.add_flag("--no-lr-sweep", no_lr_sweep, "Skip the two-width learning-rate sweep (the walks then start at --lr, default 4e-3)");
   app.add_flag("--no-mup", no_mup, "Train the sweep in the standard parametrisation");
   app.add_flag("--synthetic", c.synthetic, "No training: losses from a known law, which the fit must recover");
   app.add_option("--train-gpt", c.train_gpt, "The train_gpt program (default: beside this one)");

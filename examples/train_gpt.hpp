@@ -180,14 +180,6 @@ inline pipeline::Partition partition_of(const Options& o, const models::GPT2Conf
 // stages each hold part of the model).
 inline std::int64_t sample_count(const Options& o) { return o.sample_tokens.value_or(o.pp > 1 ? 0 : 320); }
 
-// The validation pattern llm.c uses: the train pattern with "train" replaced by "val".
-inline std::string default_val_pattern(const std::string& train) {
-  const auto pos = train.rfind("train");
-  LLMPAR_CHECK(pos != std::string::npos, "cannot derive validation shards from --data '", train,
-               "' (it does not contain 'train'); pass --val-data");
-  return train.substr(0, pos) + "val" + train.substr(pos + 5);
-}
-
 // --seq, or min(preset, 128).
 inline std::int64_t sequence_length(const Options& o, const models::GPT2Config& preset) {
   return o.seq.value_or(std::min<std::int64_t>(preset.max_seq, 128));
@@ -320,7 +312,7 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(seq > 0, "--seq ", seq, "; the sequence length must be positive");
   LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
                " (sequence parallelism splits the sequence); use a --seq that is a multiple of ", o.tp);
-  if (!o.data.empty() && o.val_data.empty()) static_cast<void>(default_val_pattern(o.data));
+  if (!o.data.empty() && o.val_data.empty()) static_cast<void>(data::val_pattern_of(o.data));
   static_cast<void>(partition_of(o, cfg));  // more stages than layers, a list that does not sum
   if (o.schedule == "interleaved") {
     const std::int64_t m = accumulation_steps(o, world_size);
@@ -386,7 +378,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
     val_set.emplace(data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)"));
   } else {
     train_set.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
-    val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? default_val_pattern(o.data) : o.val_data,
+    val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? data::val_pattern_of(o.data) : o.val_data,
                                                     static_cast<int>(cfg.vocab)));
     say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(train_set->num_tokens()),
         train_set->num_shards(), static_cast<long long>(val_set->num_tokens()));

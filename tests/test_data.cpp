@@ -431,6 +431,27 @@ TEST_CASE("unigram entropy is in nats") {
   CHECK(unigram_entropy({}) == 0.0);
 }
 
+TEST_CASE("bigram cross-entropy: the train table's loss on val, unseen pairs from the unigram") {
+  // train 0 1 0 1 0 1: p(1) = 1/2; pairs (0,1) x3, (1,0) x2; contexts 0 x3, 1 x2.
+  const std::vector<std::uint16_t> train{0, 1, 0, 1, 0, 1};
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 1}) ==
+        doctest::Approx(-std::log((3.0 + 0.5) / (3.0 + 1.0))));  // 0.1335
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{1, 1}) ==
+        doctest::Approx(-std::log(0.5 / (2.0 + 1.0))));  // a pair train never had: its unigram share
+  // An unseen token after a seen one gets half a count; an unseen context only the prior.
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 2}) ==
+        doctest::Approx(-std::log((0.5 / 6.0) / 4.0)));
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{2, 0}) == doctest::Approx(-std::log(0.5)));
+  // The mean over val's pairs.
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 1, 1}) ==
+        doctest::Approx(0.5 * (-std::log(3.5 / 4.0) - std::log(0.5 / 3.0))));
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{5}) == 0.0);
+  CHECK_THROWS_WITH_AS(bigram_cross_entropy({}, std::vector<std::uint16_t>{0, 1}),
+                       doctest::Contains("no training tokens"), Error);
+  CHECK(val_pattern_of("data/docs_train.bin") == "data/docs_val.bin");
+  CHECK_THROWS_WITH_AS(val_pattern_of("data/docs.bin"), doctest::Contains("does not contain 'train'"), Error);
+}
+
 TEST_CASE("the fortunes loader reads plain-text files in name order and splits by whole fortunes") {
   TempDir dir;
   // b holds fortunes 1..4 ('%' lines separate; the file ends with one, like Debian's);

@@ -241,16 +241,28 @@ TEST_CASE("a shared node: ranks split its cores, lose the measured fractions, an
   CHECK(slower.compute == doctest::Approx(two.compute / 0.8).epsilon(1e-9));
   CHECK(slower.bubble == doctest::Approx(two.bubble / 0.8).epsilon(1e-9));
   // Four ranks on two cores (pp 2 x dp 2): the oversubscription loss too, and a rank
-  // idle in the bubble gives its turn to another, so only cores / ranks of it is lost.
+  // idle in the bubble gives its turn to another. One stage's two ranks keep both cores
+  // busy, so the step is the work over the cores: no bubble.
   l.dp = 2;
   l.micro_batch = 2;
   const plan::Time four = plan::step_time(cfg, 64, l, c);
   c.oversubscribed = 0.5;
   const plan::Time turns = plan::step_time(cfg, 64, l, c);
   CHECK(turns.compute == doctest::Approx(four.compute / 0.5).epsilon(1e-9));
+  CHECK(turns.bubble == 0.0);
+  // Four stages of one micro-batch on two cores: the critical path with a core per rank
+  // is the schedule's makespan at 2 / 4 of the shared times; the bubble is what it adds.
+  l.dp = 1;
+  l.pp = 4;
+  l.grad_accum = 1;
+  l.micro_batch = 8;
+  l.partition = pipeline::even_partition(cfg.layers, 4);
+  const plan::Time deep = plan::step_time(cfg, 64, l, c);
   const pipeline::Report r = plan::schedule_report(l, {.forward = 1.0, .backward = 2.0});
-  const double idle = r.makespan / (l.grad_accum * 3.0) - 1.0;  // the bubble over the busy time
-  CHECK(turns.bubble == doctest::Approx(idle * turns.compute * 2.0 / 4.0).epsilon(1e-6));
+  const double path = r.makespan / (l.grad_accum * 3.0);  // the makespan over one stage's work: 4
+  CHECK(path == doctest::Approx(4.0));
+  CHECK(deep.bubble > 0.0);
+  CHECK(deep.compute + deep.bubble == doctest::Approx(deep.compute * path * 2.0 / 4.0).epsilon(0.02));
 }
 
 TEST_CASE("a layout that needs more than the device holds does not fit, and says why") {

@@ -365,6 +365,9 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
                      {plan::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
   report.rate_rule = plan::RateRule{
       .parametrization = plan::Parametrization::sp, .lr = 1.5e-2, .base_width = 16, .exponent = 1.1, .why = "measured"};
+  report.rate_trend = plan::RateTrend{.c_ref = 1e12, .lr_ref = 2e-3, .exponent = -0.125};
+  report.excluded_runs = {{"plateau", 1e4, 2e5, 1.2e10, 2.7}};
+  report.excluded_why = "val loss not below the bigram loss 2.6";
   REQUIRE(report.chinchilla.has_value());
   CHECK(report.chinchilla_note.empty());
   REQUIRE(report.predictions.size() == 1u);
@@ -397,6 +400,11 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   CHECK(back.rate_rule->parametrization == plan::Parametrization::sp);
   CHECK(back.rate_rule->exponent == 1.1);
   CHECK(back.rate_rule->why == "measured");
+  REQUIRE(back.excluded_runs.size() == 1u);
+  CHECK(back.excluded_runs[0].loss == 2.7);
+  CHECK(back.excluded_why == "val loss not below the bigram loss 2.6");
+  REQUIRE(back.rate_trend.has_value());
+  CHECK(back.rate_trend->at(1e13) == doctest::Approx(2e-3 * std::pow(10.0, -0.125)));
   // What tools/plot_scaling.py reads.
   for (const char* key : {"fit_runs", "held_out", "chinchilla_only_runs", "power_law", "chinchilla", "chinchilla_note",
                           "band", "held_out_predictions", "lr_sweep"})
@@ -417,6 +425,16 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   broken = j;
   broken["rate_rule"]["base_width"] = 0;
   CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_rule.base_width must be a positive"), Error);
+  broken = j;
+  broken["rate_trend"]["lr_ref"] = -1.0;
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_trend.c_ref 1e+12 and lr_ref -1 must be positive"),
+                       Error);
+  broken = j;
+  broken.erase("rate_trend");  // a report from before the trend reads back without one
+  broken.erase("excluded_runs");
+  broken.erase("excluded_why");
+  CHECK_FALSE(plan::from_json(broken).rate_trend.has_value());
+  CHECK(plan::from_json(broken).excluded_runs.empty());
   broken = j;
   broken["format"] = "llmpar-checkpoint";
   CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("expected \"llmpar-scaling-report\""), Error);
@@ -466,13 +484,15 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
                                        {"name, with \"quotes\"", 2e6, 4e7, 4.8e14, 4.0}};
   const std::vector<ScalingRun> held = {{"big", 1e8, 2e9, 1.2e18, 3.125}};
   const std::vector<ScalingRun> other = {{"tiny x4", 1.5e6, 1.2e8, 1.08e15, 4.0}};
+  const std::vector<ScalingRun> plateau = {{"smallest", 1e4, 2e5, 1.2e10, 2.7}};
   std::ostringstream out;
-  plan::write_csv(out, fit, held, other);
+  plan::write_csv(out, fit, held, other, plateau);
   CHECK(out.str() ==
         "name,params,tokens,flops,loss,role\n"
         "tiny,1500000,3e+07,2.7e+14,4.25,fit\n"
         "\"name, with \"\"quotes\"\"\",2e+06,4e+07,4.8e+14,4,fit\n"
         "tiny x4,1500000,1.2e+08,1.08e+15,4,chinchilla_only\n"
+        "smallest,10000,2e+05,1.2e+10,2.7,excluded\n"
         "big,1e+08,2e+09,1.2e+18,3.125,held_out\n");
   // Shortest form, but exact.
   std::ostringstream third;
@@ -547,4 +567,68 @@ TEST_CASE("rate rule: µP where its best rate stays put, otherwise SP at the pow
   CHECK(fallback.why.find("under µP the best rate moved by width^") == 0);
   CHECK_THROWS_WITH_AS(plan::rate_rule(moves, 64, 64, true), doctest::Contains("needs a base width and a wider one"),
                        Error);
+}
+
+TEST_CASE("batch rule: one sequence at the smallest compute, the largest at the largest, geometric between") {
+  const plan::BatchRule rule{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 1};
+  CHECK(rule.exponent() == doctest::Approx(std::log(16.0) / std::log(1e4)));  // 0.30103
+  CHECK(rule.at(1e10) == 1);
+  CHECK(rule.at(1e14) == 16);
+  CHECK(rule.at(1e12) == 4);   // 16^(1/2)
+  CHECK(rule.at(1e13) == 8);   // 16^(3/4) = 8
+  CHECK(rule.at(1e11) == 2);   // 16^(1/4) = 2
+  CHECK(rule.at(3e10) == 1);   // 3^0.301 = 1.39
+  CHECK(rule.at(1e9) == 1);    // below the range: its end
+  CHECK(rule.at(1e16) == 16);  // above it
+  // Two ranks: multiples of 2, from 2 to 16 (8 units of 2, 8^(1/2) = 2.83 at 1e12).
+  const plan::BatchRule ranks{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 2};
+  CHECK(ranks.at(1e10) == 2);
+  CHECK(ranks.at(1e12) == 6);
+  CHECK(ranks.at(1e14) == 16);
+  const plan::BatchRule one{.c_min = 5e11, .c_max = 5e11, .largest = 8, .multiple = 1};
+  CHECK(one.exponent() == 0.0);
+  CHECK(one.at(5e11) == 1);
+  CHECK_THROWS_WITH_AS((plan::BatchRule{.c_min = 1e10, .c_max = 1e14, .largest = 15, .multiple = 2}.validate()),
+                       doctest::Contains("the largest batch 15 must be a positive multiple of 2"), Error);
+  CHECK_THROWS_WITH_AS((plan::BatchRule{.c_min = 1e14, .c_max = 1e10, .largest = 16, .multiple = 1}.validate()),
+                       doctest::Contains("give a positive range"), Error);
+}
+
+TEST_CASE("rate trend: least squares in log-log through the best rates") {
+  // Exact power law: lr = 1e-2 (C / 1e10)^-0.125 at 1e10, 1e12, 1e14.
+  const plan::RateTrend exact = plan::fit_rate_trend({{1e10, 1e-2}, {1e12, 1e-2 * std::pow(100.0, -0.125)},
+                                                      {1e14, 1e-2 * std::pow(1e4, -0.125)}});
+  CHECK(exact.exponent == doctest::Approx(-0.125));
+  CHECK(exact.c_ref == doctest::Approx(1e12));
+  CHECK(exact.at(1e16) == doctest::Approx(1e-2 * std::pow(1e6, -0.125)));
+  // Hand-worked: x = ln C/1e10 in {0, ln 10, 2 ln 10}, y = ln lr in {ln 4, ln 1, ln 2} (x1e-3):
+  // slope = sum (x - x̄)(y - ȳ) / sum (x - x̄)² = (-ln10 (ln4 - ȳ) + ln10 (ln2 - ȳ)) / (2 ln²10)
+  //       = -ln 2 / (2 ln 10) = -0.150515 per ln C.
+  const plan::RateTrend noisy = plan::fit_rate_trend({{1e10, 4e-3}, {1e11, 1e-3}, {1e12, 2e-3}});
+  CHECK(noisy.exponent == doctest::Approx(-std::log(2.0) / (2.0 * std::log(10.0))));
+  CHECK(noisy.at(1e11) == doctest::Approx(2e-3));  // the geometric mean, at the mean ln C
+  // One point (or one compute): that rate everywhere.
+  const plan::RateTrend one = plan::fit_rate_trend({{1e12, 3e-3}});
+  CHECK(one.exponent == 0.0);
+  CHECK(one.at(1e20) == doctest::Approx(3e-3));
+  CHECK_THROWS_WITH_AS(plan::fit_rate_trend({}), doctest::Contains("no tuned run"), Error);
+  CHECK_THROWS_WITH_AS(plan::fit_rate_trend({{1e12, 0.0}}), doctest::Contains("both must be positive"), Error);
+}
+
+TEST_CASE("rate walk: the centre and its neighbours, then past an end while the lowest sits there") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK(plan::next_rate({}, 1e-3, 2.0, 6) == 1e-3);
+  CHECK(plan::next_rate({{1e-3, 2.0}}, 1e-3, 2.0, 6) == 2e-3);
+  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}}, 1e-3, 2.0, 6) == 5e-4);
+  // The lowest inside: done.
+  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
+  // The lowest at the top: one step above it; at the bottom: one below.
+  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 4e-3);
+  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 1.95}, {2.5e-4, 1.9}}, 1e-3, 2.0, 6) == 1.25e-4);
+  // A diverged run is the worst: the walk turns back from it.
+  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
+  CHECK(plan::next_rate({{1e-3, nan}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 2.5e-4);
+  // At most max_runs.
+  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 3).has_value());
+  CHECK_THROWS_WITH_AS(plan::next_rate({}, 1e-3, 1.0, 6), doctest::Contains("a step above 1"), Error);
 }

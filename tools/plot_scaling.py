@@ -119,7 +119,9 @@ def read_report(path):
 
     out = {"fit_runs": read_runs(report, "fit_runs"), "held_out": read_runs(report, "held_out"),
            "chinchilla_only_runs": read_runs(report, "chinchilla_only_runs") if "chinchilla_only_runs" in report
-           else []}
+           else [],
+           "excluded_runs": read_runs(report, "excluded_runs") if "excluded_runs" in report else [],
+           "excluded_why": report.get("excluded_why", "")}
     if not out["fit_runs"]:
         raise ReportError(f"{path} has no fit runs: nothing to plot")
     pl = field(report, "power_law", "the report")
@@ -226,7 +228,12 @@ def plot_compute(ax, r):
                 markerfacecolor="none", markeredgecolor="0.45", zorder=3,
                 label=f"other tokens/param ({len(extra)}, Chinchilla fit only)")
 
-    losses = [x["loss"] for x in fit + extra] + [b[1] for b in band]
+    excluded = r["excluded_runs"]
+    if excluded:
+        ax.plot([x["flops"] for x in excluded], [x["loss"] for x in excluded], linestyle="none", marker="x",
+                markersize=7, color="0.45", zorder=3, label=f"not fitted ({len(excluded)}): {r['excluded_why']}")
+
+    losses = [x["loss"] for x in fit + extra + excluded] + [b[1] for b in band]
     for i, p in enumerate(r["predictions"]):
         ax.errorbar([p["flops"]], [p["predicted"]], yerr=[[p["predicted"] - p["lo"]], [p["hi"] - p["predicted"]]],
                     fmt="D", markersize=6, color=pred_color, capsize=5, elinewidth=1.5, zorder=5,

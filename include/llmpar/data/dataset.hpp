@@ -31,6 +31,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -464,6 +465,14 @@ TextCorpus load_text_files(std::span<const std::filesystem::path> files, double 
   return corpus;
 }
 
+// The validation pattern llm.c uses: the train pattern with its last "train" replaced by "val".
+inline std::string val_pattern_of(const std::string& train) {
+  const auto pos = train.rfind("train");
+  LLMPAR_CHECK(pos != std::string::npos, "cannot derive validation shards from --data '", train,
+               "' (it does not contain 'train'); pass --val-data");
+  return train.substr(0, pos) + "val" + train.substr(pos + 5);
+}
+
 // Entropy in nats of the tokens' unigram (for bytes: byte) frequencies; 0 for no tokens.
 // It is the loss of the best model that ignores context, so a trainer prints it next to
 // the loss: a loss below it shows the model is using context.
@@ -479,6 +488,33 @@ inline double unigram_entropy(std::span<const std::uint16_t> tokens) {
     h -= p * std::log(p);
   }
   return h;
+}
+
+// Loss in nats on `val` of the bigram table of `train`: p(b | a) = (count(a, b) + p(b)) /
+// (count(a) + 1), the unigram frequency p(b) of train standing in for pairs train never
+// had. It is what a model knowing only the previous token can reach, so a model whose
+// loss is not below it has learned no longer context yet. 0 for fewer than 2 val tokens.
+inline double bigram_cross_entropy(std::span<const std::uint16_t> train, std::span<const std::uint16_t> val) {
+  if (val.size() < 2) return 0.0;
+  LLMPAR_CHECK(!train.empty(), "bigram cross-entropy: no training tokens to count");
+  std::vector<std::uint64_t> unigram(65536, 0);
+  std::unordered_map<std::uint32_t, std::uint64_t> pairs;
+  std::vector<std::uint64_t> context(65536, 0);
+  for (const std::uint16_t t : train) ++unigram[t];
+  for (std::size_t i = 0; i + 1 < train.size(); ++i) {
+    ++pairs[(static_cast<std::uint32_t>(train[i]) << 16) | train[i + 1]];
+    ++context[train[i]];
+  }
+  const double n = static_cast<double>(train.size());
+  double loss = 0.0;
+  for (std::size_t i = 0; i + 1 < val.size(); ++i) {
+    const auto it = pairs.find((static_cast<std::uint32_t>(val[i]) << 16) | val[i + 1]);
+    const double pair = it == pairs.end() ? 0.0 : static_cast<double>(it->second);
+    // A token train never had gets half a count, so the loss stays finite.
+    const double prior = std::max(0.5, static_cast<double>(unigram[val[i + 1]])) / n;
+    loss -= std::log((pair + prior) / (static_cast<double>(context[val[i]]) + 1.0));
+  }
+  return loss / static_cast<double>(val.size() - 1);
 }
 
 }  // namespace llmpar::data

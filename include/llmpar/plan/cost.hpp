@@ -398,11 +398,14 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
     const pipeline::Report r = schedule_report(
         l,
         {.forward = worst_forward, .backward = worst_backward, .weight = std::min(worst_weight, 0.9 * worst_backward)});
-    time.bubble = std::max(0.0, r.makespan - time.compute);
     // More ranks than cores: a rank idle in the bubble leaves its turn on a core to the
-    // ranks that have work, so only the cores' share of the bubble is lost.
-    if (c.shared_node && share > static_cast<double>(c.devices_per_node))
-      time.bubble *= static_cast<double>(c.devices_per_node) / share;
+    // ranks that have work, so the step is the longer of the work over the cores (the
+    // compute, every rank at its share) and the schedule's critical path with a core per
+    // rank (its makespan at cores / share of these times). 2 stages of 2 replicas on 2
+    // cores: the bubble is gone, since one stage's two ranks keep both cores busy.
+    const double oversubscription =
+        c.shared_node ? std::max(1.0, share / static_cast<double>(c.devices_per_node)) : 1.0;
+    time.bubble = std::max(0.0, r.makespan / oversubscription - time.compute);
   }
 
   // Data parallelism over this stage's store: ZeRO 0 all-reduces the gradients once a

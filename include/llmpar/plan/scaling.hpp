@@ -979,6 +979,85 @@ inline RateRule rate_rule(const std::vector<LrSweepPoint>& sweep, std::int64_t b
   return rule;
 }
 
+// How many sequences each step of a sweep's run takes: one at the sweep's smallest
+// compute, `largest` at its largest, geometrically in between (batch ∝ C^e with
+// e = log(largest) / log(c_max / c_min)), in multiples of `multiple` (the data-parallel
+// ranks). At a fixed token budget a small model learns far more from many small steps
+// than from a few large ones (the 9.5k-parameter model of the default sweep: val loss
+// 3.23 at 16 sequences per step, 2.68 at 1), so one batch for every size bends the fit's
+// small end up; a batch that grows with compute is what compute-optimal sweeps use.
+struct BatchRule {
+  double c_min = 1.0, c_max = 1.0;  // FLOPs
+  std::int64_t largest = 1, multiple = 1;
+
+  void validate() const {
+    LLMPAR_CHECK(std::isfinite(c_min) && c_min > 0.0 && std::isfinite(c_max) && c_max >= c_min, "batch rule: compute ",
+                 c_min, " to ", c_max, " FLOPs; give a positive range");
+    LLMPAR_CHECK(multiple >= 1 && largest >= multiple && largest % multiple == 0, "batch rule: the largest batch ",
+                 largest, " must be a positive multiple of ", multiple, " (the ranks)");
+  }
+  double exponent() const {
+    return c_max > c_min ? std::log(static_cast<double>(largest / multiple)) / std::log(c_max / c_min) : 0.0;
+  }
+  std::int64_t at(double flops) const {
+    const double units = std::pow(std::clamp(flops, c_min, c_max) / c_min, exponent());
+    return multiple * std::clamp<std::int64_t>(std::llround(units), 1, largest / multiple);
+  }
+};
+
+// A power law of compute through the best learning rates of the sizes a sweep tuned:
+// lr = lr_ref · (C / c_ref)^exponent, least squares in log-log (c_ref their geometric
+// mean). One size: its rate at every compute. Best rates fall with compute (DeepSeek
+// LLM's sweep found exponent -0.125); where the trend's own runs give it, it tells the
+// held-out model its rate.
+struct RateTrend {
+  double c_ref = 1.0, lr_ref = 1e-3, exponent = 0.0;
+  double at(double flops) const { return lr_ref * std::pow(flops / c_ref, exponent); }
+};
+
+// (flops, best rate) pairs, at least one; the same compute twice is allowed.
+inline RateTrend fit_rate_trend(const std::vector<std::pair<double, double>>& points) {
+  LLMPAR_CHECK(!points.empty(), "rate trend: no tuned run to fit");
+  double mx = 0.0, my = 0.0;
+  for (const auto& [c, lr] : points) {
+    LLMPAR_CHECK(std::isfinite(c) && c > 0.0 && std::isfinite(lr) && lr > 0.0, "rate trend: a tuned run at ", c,
+                 " FLOPs with rate ", lr, "; both must be positive");
+    mx += std::log(c);
+    my += std::log(lr);
+  }
+  const double n = static_cast<double>(points.size());
+  mx /= n;
+  my /= n;
+  double sxx = 0.0, sxy = 0.0;
+  for (const auto& [c, lr] : points) {
+    sxx += (std::log(c) - mx) * (std::log(c) - mx);
+    sxy += (std::log(c) - mx) * (std::log(lr) - my);
+  }
+  return {.c_ref = std::exp(mx), .lr_ref = std::exp(my), .exponent = sxx > 0.0 ? sxy / sxx : 0.0};
+}
+
+// One run's walk over learning rates: the next rate to train, or nullopt when the walk
+// is done. It tries `center`, center · step and center / step, then steps past an end of
+// what it tried for as long as the lowest loss sits at that end (a diverged run, NaN,
+// counts as the worst), at most `max_runs` rates in all. `tried`: (lr, loss) pairs.
+inline std::optional<double> next_rate(std::vector<std::pair<double, double>> tried, double center, double step,
+                                       std::size_t max_runs) {
+  LLMPAR_CHECK(std::isfinite(center) && center > 0.0 && std::isfinite(step) && step > 1.0 && max_runs >= 3,
+               "rate walk: centre ", center, ", step ", step, ", at most ", max_runs,
+               " runs; give a positive centre, a step above 1 and at least 3 runs");
+  const double start[] = {center, center * step, center / step};
+  if (tried.size() < 3) return start[tried.size()];
+  if (tried.size() >= max_runs) return std::nullopt;
+  std::sort(tried.begin(), tried.end());
+  auto loss = [](double l) { return std::isfinite(l) ? l : std::numeric_limits<double>::max(); };
+  std::size_t best = 0;
+  for (std::size_t k = 1; k < tried.size(); ++k)
+    if (loss(tried[k].second) < loss(tried[best].second)) best = k;
+  if (best == 0) return tried.front().first / step;
+  if (best + 1 == tried.size()) return tried.back().first * step;
+  return std::nullopt;
+}
+
 struct PowerLawResult {
   PowerLawFit fit;
   PowerLawBootstrap bootstrap;
@@ -1010,6 +1089,10 @@ struct ScalingReport {
   // Runs that only the Chinchilla fit takes: off the compute-optimal rule (other tokens
   // per parameter), so they sit above the loss-against-compute frontier of fit_runs.
   std::vector<ScalingRun> chinchilla_only_runs;
+  // Runs the sweep made but neither fit takes, and why (llmpar-scaling: those not yet
+  // below the bigram loss, on a plateau no power law of compute describes).
+  std::vector<ScalingRun> excluded_runs;
+  std::string excluded_why;
   PowerLawResult power_law;
   std::optional<ChinchillaResult> chinchilla;
   std::string chinchilla_note;                 // why there is no Chinchilla fit ("" when there is)
@@ -1017,6 +1100,7 @@ struct ScalingReport {
   std::vector<HeldOutPrediction> predictions;  // one per held-out run, in order
   std::vector<LrSweepPoint> lr_sweep;
   std::optional<RateRule> rate_rule;  // how the fit's runs set their learning rate, where a sweep chose it
+  std::optional<RateTrend> rate_trend;  // the tuned runs' best rates against compute, where they were tuned
 };
 
 struct ReportOptions {
@@ -1221,6 +1305,8 @@ inline nlohmann::json to_json(const ScalingReport& report) {
               {"fit_runs", runs(report.fit_runs)},
               {"held_out", runs(report.held_out)},
               {"chinchilla_only_runs", runs(report.chinchilla_only_runs)},
+              {"excluded_runs", runs(report.excluded_runs)},
+              {"excluded_why", report.excluded_why},
               {"power_law",
                {{"a", pl.a},
                 {"b", pl.b},
@@ -1286,6 +1372,12 @@ inline nlohmann::json to_json(const ScalingReport& report) {
   } else {
     out["rate_rule"] = nullptr;
   }
+  if (report.rate_trend) {
+    const RateTrend& t = *report.rate_trend;
+    out["rate_trend"] = {{"c_ref", t.c_ref}, {"lr_ref", t.lr_ref}, {"exponent", t.exponent}};
+  } else {
+    out["rate_trend"] = nullptr;
+  }
   return out;
 }
 
@@ -1296,8 +1388,9 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   using detail::number;
   using nlohmann::json;
   detail::only_keys(j, "the report",
-                    {"format", "version", "fit_runs", "held_out", "chinchilla_only_runs", "power_law", "chinchilla",
-                     "chinchilla_note", "band", "held_out_predictions", "lr_sweep", "rate_rule"});
+                    {"format", "version", "fit_runs", "held_out", "chinchilla_only_runs", "excluded_runs",
+                     "excluded_why", "power_law", "chinchilla",
+                     "chinchilla_note", "band", "held_out_predictions", "lr_sweep", "rate_rule", "rate_trend"});
   const json& format = detail::member(j, "the report", "format");
   LLMPAR_CHECK(format == kReportFormat, "scaling report: format is ", format.dump(), ", expected \"", kReportFormat,
                "\" (is this a file llmpar-scaling wrote?)");
@@ -1313,6 +1406,10 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   runs("fit_runs", report.fit_runs);
   runs("held_out", report.held_out);
   runs("chinchilla_only_runs", report.chinchilla_only_runs);
+  if (j.contains("excluded_runs")) {  // reports from before the exclusion have neither
+    runs("excluded_runs", report.excluded_runs);
+    report.excluded_why = detail::text(j, "the report", "excluded_why");
+  }
 
   {
     const json& pl = detail::member(j, "the report", "power_law");
@@ -1437,11 +1534,21 @@ inline ScalingReport from_json(const nlohmann::json& j) {
     rule.why = detail::text(r, where, "why");
     report.rate_rule = rule;
   }
+  if (j.contains("rate_trend") && !j.at("rate_trend").is_null()) {
+    const json& t = j.at("rate_trend");
+    const std::string where = "rate_trend";
+    detail::only_keys(t, where, {"c_ref", "lr_ref", "exponent"});
+    RateTrend trend{.c_ref = number(t, where, "c_ref"), .lr_ref = number(t, where, "lr_ref"),
+                    .exponent = number(t, where, "exponent")};
+    LLMPAR_CHECK(trend.c_ref > 0.0 && trend.lr_ref > 0.0, "scaling report: rate_trend.c_ref ", trend.c_ref,
+                 " and lr_ref ", trend.lr_ref, " must be positive");
+    report.rate_trend = trend;
+  }
   return report;
 }
 
 // ---------------------------------------------------------------------------------------
-// CSV: name,params,tokens,flops,loss,role (role "fit", "chinchilla_only" or "held_out"); numbers in the
+// CSV: name,params,tokens,flops,loss,role (role "fit", "chinchilla_only", "excluded" or "held_out"); numbers in the
 // shortest form that reads back exactly, names quoted where they need it (RFC 4180).
 
 namespace detail {
@@ -1462,16 +1569,17 @@ inline std::string csv_field(const std::string& s) {
 
 inline void write_csv(std::ostream& out, std::span<const ScalingRun> fit_runs,
                       std::span<const ScalingRun> held_out = {},
-                      std::span<const ScalingRun> chinchilla_only_runs = {}) {
+                      std::span<const ScalingRun> chinchilla_only_runs = {},
+                      std::span<const ScalingRun> excluded_runs = {}) {
   out << "name,params,tokens,flops,loss,role\n";
   for (const auto& [runs, role] : {std::pair{fit_runs, "fit"}, std::pair{chinchilla_only_runs, "chinchilla_only"},
-                                   std::pair{held_out, "held_out"}})
+                                   std::pair{excluded_runs, "excluded"}, std::pair{held_out, "held_out"}})
     for (const ScalingRun& r : runs)
       out << detail::csv_field(r.name) << ',' << detail::shortest(r.params) << ',' << detail::shortest(r.tokens) << ','
           << detail::shortest(r.flops) << ',' << detail::shortest(r.loss) << ',' << role << '\n';
 }
 inline void write_csv(std::ostream& out, const ScalingReport& report) {
-  write_csv(out, report.fit_runs, report.held_out, report.chinchilla_only_runs);
+  write_csv(out, report.fit_runs, report.held_out, report.chinchilla_only_runs, report.excluded_runs);
 }
 inline void write_csv(const std::string& path, const ScalingReport& report) {
   std::ofstream out(path);
