@@ -146,10 +146,9 @@ std::int64_t eval_batches_of(const Run& r, const SweepConfig& c) {
 }
 
 nlohmann::json record_of(const Run& r) {
-  return {{"name", r.name},     {"role", r.role},         {"layers", r.shape.layers},
-          {"dim", r.shape.dim}, {"tokens", r.tokens},     {"lr", r.lr},
-          {"mup", r.mup},       {"mup_base", r.mup_base}, {"batch", r.batch},  {"params", r.params},
-          {"flops", r.flops},   {"loss", r.loss},         {"seconds", r.seconds}};
+  return {{"name", r.name},   {"role", r.role}, {"layers", r.shape.layers}, {"dim", r.shape.dim}, {"tokens", r.tokens},
+          {"lr", r.lr},       {"mup", r.mup},   {"mup_base", r.mup_base},   {"batch", r.batch},   {"params", r.params},
+          {"flops", r.flops}, {"loss", r.loss}, {"seconds", r.seconds}};
 }
 
 // The runs OUT/runs.jsonl holds, by name, that match `r`'s configuration.
@@ -209,8 +208,8 @@ class Sweep {
     r.params = params_of(r.shape, c_);
     r.flops = flops_of(r.shape, tokens_of(r, c_), c_);
     const std::int64_t steps = steps_of(r, c_);
-    std::printf("run %3d %-28s %7.3fM params %7.2fM tokens %.2e FLOPs batch %2lld lr %.3g%s: ", index,
-                r.name.c_str(), r.params * 1e-6, r.tokens * 1e-6, r.flops, static_cast<long long>(r.batch), r.lr,
+    std::printf("run %3d %-28s %7.3fM params %7.2fM tokens %.2e FLOPs batch %2lld lr %.3g%s: ", index, r.name.c_str(),
+                r.params * 1e-6, r.tokens * 1e-6, r.flops, static_cast<long long>(r.batch), r.lr,
                 r.mup ? " µP" : " SP");
     std::fflush(stdout);
     if (reuse(r, finished_)) {
@@ -338,10 +337,8 @@ int run_sweep(const SweepConfig& c) {
   const Shape held = smallest_above(fit_max * std::sqrt(10.0), c);
   auto rule_flops = [&](const Shape& s) { return flops_of(s, c.tokens_per_param * params_of(s, c), c); };
   // Sequences per step: 1 (per rank) at the smallest fit run, --batch at the held-out one.
-  const plan::BatchRule batch{.c_min = rule_flops(fit_shapes.front()),
-                              .c_max = rule_flops(held),
-                              .largest = c.batch,
-                              .multiple = c.ranks};
+  const plan::BatchRule batch{
+      .c_min = rule_flops(fit_shapes.front()), .c_max = rule_flops(held), .largest = c.batch, .multiple = c.ranks};
   batch.validate();
   std::printf("batch: %lld sequences per step at %.2e FLOPs to %lld at %.2e, as C^%.3f\n",
               static_cast<long long>(batch.at(batch.c_min)), batch.c_min, static_cast<long long>(batch.largest),
@@ -469,7 +466,8 @@ int run_sweep(const SweepConfig& c) {
   // plateau, came within 0.04% of it) and the report keeps the rest as excluded.
   const double bigram = c.synthetic ? std::numeric_limits<double>::infinity() : bigram_loss(c.data);
   const double floor = 0.99 * bigram;
-  if (!c.synthetic) std::printf("bigram loss of the validation tokens: %.4f nats; the fits take runs below %.4f\n", bigram, floor);
+  if (!c.synthetic)
+    std::printf("bigram loss of the validation tokens: %.4f nats; the fits take runs below %.4f\n", bigram, floor);
   std::vector<Run> fit, excluded;
   std::vector<std::pair<double, double>> fit_rates;  // (FLOPs, best rate) of the fit's sizes
   for (const Tuned& t : sizes) {
@@ -514,8 +512,8 @@ int run_sweep(const SweepConfig& c) {
   plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all);
   const plan::Prediction p = before.predictions.front().power_law;
   std::printf("prediction for %s (%s params, %.2e FLOPs, %.1fx the largest fit run): val loss %.4f [%.4f, %.4f]\n",
-              h.name.c_str(), size_name(h.params).c_str(), held_run.flops, held_run.flops / rule.back().flops,
-              p.value, p.lo, p.hi);
+              h.name.c_str(), size_name(h.params).c_str(), held_run.flops, held_run.flops / rule.back().flops, p.value,
+              p.lo, p.hi);
   // 4. The held-out run.
   sweep.train(h, ++index);
   plan::ScalingRun achieved = held_run;
@@ -575,15 +573,21 @@ int main(int argc, char** argv) {
   app.add_option("--data", c.data, "Training shards (llm.c .bin, byte tokens); validation: 'train' -> 'val'");
   app.add_option("--out", c.out, "Directory of the runs, the report (scaling.json) and runs.csv")
       ->capture_default_str();
-  app.add_option("--budget", c.budget, "Compute of every run, relative to the default sweep (about 75 minutes on 2 cores)")
+  app.add_option("--budget", c.budget,
+                 "Compute of every run, relative to the default sweep (about 75 minutes on 2 cores)")
       ->capture_default_str();
   app.add_option("--tokens-per-param", c.tokens_per_param, "Tokens per parameter of the rule's runs")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "Sequence length")->capture_default_str();
-  app.add_option("--batch", c.batch, "Sequences per step of the held-out run (over all ranks); smaller runs take fewer (plan::BatchRule)")->capture_default_str();
+  app.add_option("--batch", c.batch,
+                 "Sequences per step of the held-out run (over all ranks); smaller runs take fewer (plan::BatchRule)")
+      ->capture_default_str();
   app.add_option("--ranks", c.ranks, "Data-parallel thread ranks of every run")->capture_default_str();
-  app.add_option("--lr", lr, "One learning rate for every run (default: each fit run the best of a walk over rates, the held-out run at their trend)");
-  app.add_flag("--no-lr-sweep", no_lr_sweep, "Skip the two-width learning-rate sweep (the walks then start at --lr, default 4e-3)");
+  app.add_option("--lr", lr,
+                 "One learning rate for every run (default: each fit run the best of a walk over rates, the held-out "
+                 "run at their trend)");
+  app.add_flag("--no-lr-sweep", no_lr_sweep,
+               "Skip the two-width learning-rate sweep (the walks then start at --lr, default 4e-3)");
   app.add_flag("--no-mup", no_mup, "Train the sweep in the standard parametrisation");
   app.add_flag("--synthetic", c.synthetic, "No training: losses from a known law, which the fit must recover");
   app.add_option("--train-gpt", c.train_gpt, "The train_gpt program (default: beside this one)");
@@ -604,6 +608,10 @@ int main(int argc, char** argv) {
       LLMPAR_CHECK(!c.data.empty(),
                    "give --data: token shards of English text (./llmpar.sh scaling prepares "
                    "data/docs_train.bin from the Debian packages it installs)");
+      LLMPAR_CHECK(fs::exists(c.data), "--data ", c.data, ": no such file; ./llmpar.sh scaling prepares ",
+                   "data/docs_train.bin, or run prepare_data");
+      const std::string val = data::val_pattern_of(c.data);  // the plateau needs the validation shard
+      LLMPAR_CHECK(fs::exists(val), "--data ", c.data, ": its validation shard ", val, " does not exist");
       if (c.train_gpt.empty()) c.train_gpt = tools::beside_this_program(argv[0], "train_gpt");
       LLMPAR_CHECK(fs::exists(c.train_gpt), "train_gpt not found at ", c.train_gpt, "; build it or give --train-gpt");
     }

@@ -439,8 +439,7 @@ TEST_CASE("bigram cross-entropy: the train table's loss on val, unseen pairs fro
   CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{1, 1}) ==
         doctest::Approx(-std::log(0.5 / (2.0 + 1.0))));  // a pair train never had: its unigram share
   // An unseen token after a seen one gets half a count; an unseen context only the prior.
-  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 2}) ==
-        doctest::Approx(-std::log((0.5 / 6.0) / 4.0)));
+  CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 2}) == doctest::Approx(-std::log((0.5 / 6.0) / 4.0)));
   CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{2, 0}) == doctest::Approx(-std::log(0.5)));
   // The mean over val's pairs.
   CHECK(bigram_cross_entropy(train, std::vector<std::uint16_t>{0, 1, 1}) ==

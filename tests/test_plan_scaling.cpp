@@ -427,8 +427,8 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_rule.base_width must be a positive"), Error);
   broken = j;
   broken["rate_trend"]["lr_ref"] = -1.0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_trend.c_ref 1e+12 and lr_ref -1 must be positive"),
-                       Error);
+  CHECK_THROWS_WITH_AS(plan::from_json(broken),
+                       doctest::Contains("rate_trend.c_ref 1e+12 and lr_ref -1 must be positive"), Error);
   broken = j;
   broken.erase("rate_trend");  // a report from before the trend reads back without one
   broken.erase("excluded_runs");
@@ -596,8 +596,8 @@ TEST_CASE("batch rule: one sequence at the smallest compute, the largest at the 
 
 TEST_CASE("rate trend: least squares in log-log through the best rates") {
   // Exact power law: lr = 1e-2 (C / 1e10)^-0.125 at 1e10, 1e12, 1e14.
-  const plan::RateTrend exact = plan::fit_rate_trend({{1e10, 1e-2}, {1e12, 1e-2 * std::pow(100.0, -0.125)},
-                                                      {1e14, 1e-2 * std::pow(1e4, -0.125)}});
+  const plan::RateTrend exact = plan::fit_rate_trend(
+      {{1e10, 1e-2}, {1e12, 1e-2 * std::pow(100.0, -0.125)}, {1e14, 1e-2 * std::pow(1e4, -0.125)}});
   CHECK(exact.exponent == doctest::Approx(-0.125));
   CHECK(exact.c_ref == doctest::Approx(1e12));
   CHECK(exact.at(1e16) == doctest::Approx(1e-2 * std::pow(1e6, -0.125)));

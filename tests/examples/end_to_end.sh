@@ -379,12 +379,15 @@ PY
     grep -q 'recovered$' syn.txt || fail "the fit did not recover the synthetic law"
     grep -q '^prediction for held-out-' syn.txt || fail "no prediction was made before the held-out run"
     [[ $(grep -c '"role":"held-out"' syn/runs.jsonl) == 1 ]] || fail "runs.jsonl does not hold the held-out run"
-    [[ $(wc -l <syn/runs.csv) == 11 ]] || fail "runs.csv does not hold a header and 10 runs"
+    [[ $(wc -l <syn/runs.csv) == 15 ]] || fail "runs.csv does not hold a header and 14 runs"
     grep -q '"format": "llmpar-scaling-report"' syn/scaling.json || fail "scaling.json is not a scaling report"
     "$bin/llmpar-scaling" --synthetic --out syn | tee again.txt
-    [[ $(grep -c 'from syn/runs.jsonl' again.txt) == 10 ]] || fail "a rerun did not reuse the finished runs"
+    [[ $(grep -c 'from syn/runs.jsonl' again.txt) == 14 ]] || fail "a rerun did not reuse the finished runs"
     expect_error "--budget 0" "$bin/llmpar-scaling" --synthetic --budget 0
     expect_error "give --data" "$bin/llmpar-scaling" --out x
+    expect_error "--data nowhere_train.bin: no such file" "$bin/llmpar-scaling" --data nowhere_train.bin
+    : >tokens.bin
+    expect_error "does not contain 'train'" "$bin/llmpar-scaling" --data tokens.bin
     expect_error "--batch 16 is not divisible by --ranks 3" "$bin/llmpar-scaling" --synthetic --ranks 3
     ;;
   cuda)

@@ -469,7 +469,8 @@ TextCorpus load_text_files(std::span<const std::filesystem::path> files, double 
 inline std::string val_pattern_of(const std::string& train) {
   const auto pos = train.rfind("train");
   LLMPAR_CHECK(pos != std::string::npos, "cannot derive validation shards from --data '", train,
-               "' (it does not contain 'train'); pass --val-data");
+               "' (it does not contain 'train'); name the training shards PREFIX_train*.bin (train_gpt also ",
+               "takes --val-data)");
   return train.substr(0, pos) + "val" + train.substr(pos + 5);
 }
 

@@ -1099,7 +1099,7 @@ struct ScalingReport {
   std::vector<BandPoint> band;                 // increasing flops
   std::vector<HeldOutPrediction> predictions;  // one per held-out run, in order
   std::vector<LrSweepPoint> lr_sweep;
-  std::optional<RateRule> rate_rule;  // how the fit's runs set their learning rate, where a sweep chose it
+  std::optional<RateRule> rate_rule;    // how the fit's runs set their learning rate, where a sweep chose it
   std::optional<RateTrend> rate_trend;  // the tuned runs' best rates against compute, where they were tuned
 };
 
@@ -1389,8 +1389,8 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   using nlohmann::json;
   detail::only_keys(j, "the report",
                     {"format", "version", "fit_runs", "held_out", "chinchilla_only_runs", "excluded_runs",
-                     "excluded_why", "power_law", "chinchilla",
-                     "chinchilla_note", "band", "held_out_predictions", "lr_sweep", "rate_rule", "rate_trend"});
+                     "excluded_why", "power_law", "chinchilla", "chinchilla_note", "band", "held_out_predictions",
+                     "lr_sweep", "rate_rule", "rate_trend"});
   const json& format = detail::member(j, "the report", "format");
   LLMPAR_CHECK(format == kReportFormat, "scaling report: format is ", format.dump(), ", expected \"", kReportFormat,
                "\" (is this a file llmpar-scaling wrote?)");
@@ -1538,7 +1538,8 @@ inline ScalingReport from_json(const nlohmann::json& j) {
     const json& t = j.at("rate_trend");
     const std::string where = "rate_trend";
     detail::only_keys(t, where, {"c_ref", "lr_ref", "exponent"});
-    RateTrend trend{.c_ref = number(t, where, "c_ref"), .lr_ref = number(t, where, "lr_ref"),
+    RateTrend trend{.c_ref = number(t, where, "c_ref"),
+                    .lr_ref = number(t, where, "lr_ref"),
                     .exponent = number(t, where, "exponent")};
     LLMPAR_CHECK(trend.c_ref > 0.0 && trend.lr_ref > 0.0, "scaling report: rate_trend.c_ref ", trend.c_ref,
                  " and lr_ref ", trend.lr_ref, " must be positive");
@@ -1568,8 +1569,7 @@ inline std::string csv_field(const std::string& s) {
 }  // namespace detail
 
 inline void write_csv(std::ostream& out, std::span<const ScalingRun> fit_runs,
-                      std::span<const ScalingRun> held_out = {},
-                      std::span<const ScalingRun> chinchilla_only_runs = {},
+                      std::span<const ScalingRun> held_out = {}, std::span<const ScalingRun> chinchilla_only_runs = {},
                       std::span<const ScalingRun> excluded_runs = {}) {
   out << "name,params,tokens,flops,loss,role\n";
   for (const auto& [runs, role] : {std::pair{fit_runs, "fit"}, std::pair{chinchilla_only_runs, "chinchilla_only"},
