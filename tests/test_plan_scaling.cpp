@@ -502,11 +502,12 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
 
 namespace {
 // A sweep whose loss at each width is a parabola in log2(lr) with its vertex at `best`.
-std::vector<plan::LrSweepPoint> parabola_sweep(plan::Parametrization p, std::int64_t width, double best) {
+std::vector<plan::LrSweepPoint> parabola_sweep(plan::Parametrization p, std::int64_t width, double best,
+                                               double lowest = 2.5) {
   std::vector<plan::LrSweepPoint> out;
   for (double lr : {1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2}) {
     const double x = std::log2(lr / best);
-    out.push_back({p, width, lr, 2.5 + 0.05 * x * x});
+    out.push_back({p, width, lr, lowest + 0.05 * x * x});
   }
   return out;
 }
@@ -567,6 +568,35 @@ TEST_CASE("rate rule: µP where its best rate stays put, otherwise SP at the pow
   CHECK(fallback.why.find("under µP the best rate moved by width^") == 0);
   CHECK_THROWS_WITH_AS(plan::rate_rule(moves, 64, 64, true), doctest::Contains("needs a base width and a wider one"),
                        Error);
+}
+
+TEST_CASE("rate rule: µP that transfers but trains the wide model worse than SP gives way to SP") {
+  using plan::Parametrization;
+  // µP's rate holds (1.6e-2 and 1.4e-2); at width 64 its lowest loss is 2.52, SP's 2.50.
+  auto sweep = [](double mup_wide_lowest) {
+    return joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2),
+                   parabola_sweep(Parametrization::mup, 64, 1.4e-2, mup_wide_lowest),
+                   parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 4e-3)});
+  };
+  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::mup, 64) == doctest::Approx(2.52 + 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)));
+  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::sp, 64) == doctest::Approx(2.5));
+  // 2.52 / 2.5 is 0.8% (and the nearest grid point a little more): over the 0.5% margin.
+  const plan::RateRule worse = plan::rate_rule(sweep(2.52), 16, 64, true);
+  CHECK(worse.parametrization == Parametrization::sp);
+  CHECK(worse.exponent == doctest::Approx(1.0));
+  CHECK(worse.why.find(", but its lowest loss at width 64 (") != std::string::npos);
+  CHECK(worse.why.find("% above SP's (2.5)") != std::string::npos);
+  // 2.5 + 0.4%: within the margin, µP stays.
+  const plan::RateRule within = plan::rate_rule(sweep(2.5 * 1.004 - 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)),
+                                                16, 64, true);
+  CHECK(within.parametrization == Parametrization::mup);
+  CHECK(within.why.find("it transfers") != std::string::npos);
+  // Every SP run at the wide width diverged: µP trains it better, whatever its loss.
+  auto diverged = sweep(3.0);
+  for (plan::LrSweepPoint& p : diverged)
+    if (p.parametrization == Parametrization::sp && p.width == 64) p.loss = std::numeric_limits<double>::quiet_NaN();
+  CHECK(plan::lowest_loss(diverged, Parametrization::sp, 64) == std::numeric_limits<double>::infinity());
+  CHECK(plan::rate_rule(diverged, 16, 64, true).parametrization == Parametrization::mup);
 }
 
 TEST_CASE("batch rule: one sequence at the smallest compute, the largest at the largest, geometric between") {
