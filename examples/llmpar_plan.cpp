@@ -527,37 +527,18 @@ plan::Cluster calibrate() {
     std::printf("pass %d/%d\n", p + 1, kCalibrationPasses);
     passes.push_back(calibration_pass());
   }
-  using Field = double& (*)(plan::Cluster&);
-  const Field fields[] = {
-      [](plan::Cluster& c) -> double& { return c.fp32.peak_flops; },
-      [](plan::Cluster& c) -> double& { return c.fp32.half; },
-      [](plan::Cluster& c) -> double& { return c.bf16.peak_flops; },
-      [](plan::Cluster& c) -> double& { return c.bf16.half; },
-      [](plan::Cluster& c) -> double& { return c.fp16.peak_flops; },
-      [](plan::Cluster& c) -> double& { return c.fp16.half; },
-      [](plan::Cluster& c) -> double& { return c.fp32_kernels.elementwise; },
-      [](plan::Cluster& c) -> double& { return c.fp32_kernels.attention; },
-      [](plan::Cluster& c) -> double& { return c.bf16_kernels.elementwise; },
-      [](plan::Cluster& c) -> double& { return c.bf16_kernels.attention; },
-      [](plan::Cluster& c) -> double& { return c.fp16_kernels.elementwise; },
-      [](plan::Cluster& c) -> double& { return c.fp16_kernels.attention; },
-      [](plan::Cluster& c) -> double& { return c.memory_bandwidth; },
-      [](plan::Cluster& c) -> double& { return c.kernel_overhead; },
-      [](plan::Cluster& c) -> double& { return c.gemm_overhead; },
-      [](plan::Cluster& c) -> double& { return c.shared_ranks; },
-      [](plan::Cluster& c) -> double& { return c.oversubscribed; },
-      [](plan::Cluster& c) -> double& { return c.intra.busbw; },
-      [](plan::Cluster& c) -> double& { return c.intra.latency; },
-      [](plan::Cluster& c) -> double& { return c.collective_overhead; },
-  };
+  std::vector<std::vector<double>> figures(passes.size());
+  for (std::size_t p = 0; p < passes.size(); ++p)
+    plan::Cluster::for_each_figure(passes[p], [&](const std::string&, double v, bool) { figures[p].push_back(v); });
   plan::Cluster c = passes.front();
-  for (const Field field : fields) {
+  std::size_t i = 0;
+  plan::Cluster::for_each_figure(c, [&](const std::string&, double& v, bool) {
     std::vector<double> values;
-    for (plan::Cluster& p : passes) values.push_back(field(p));
+    for (const std::vector<double>& pass : figures) values.push_back(pass[i]);
     std::sort(values.begin(), values.end());
-    field(c) = values[values.size() / 2];
-  }
-  c.inter = c.intra;
+    v = values[values.size() / 2];
+    ++i;
+  });
   c.validate();
   std::printf("the median of %d passes: fp32 GEMM peak %.1f GFLOP/s, shared ranks %.3f, oversubscribed %.3f\n",
               kCalibrationPasses, c.fp32.peak_flops * 1e-9, c.shared_ranks, c.oversubscribed);

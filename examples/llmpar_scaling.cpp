@@ -504,8 +504,8 @@ int run_sweep(const SweepConfig& c) {
   for (std::size_t k = 0; k < 2; ++k)
     for (double f : {0.25, 4.0}) {
       const Run shape = shaped(fit[k].shape, f * c.tokens_per_param, "ratio");
-      Run r = at_rate(shape, trend ? trend->at(flops_of(shape.shape, shape.tokens, c))
-                                   : (c.lr ? *c.lr : rate.at(shape.shape.dim)));
+      Run r = at_rate(
+          shape, trend ? trend->at(flops_of(shape.shape, shape.tokens, c)) : (c.lr ? *c.lr : rate.at(shape.shape.dim)));
       sweep.train(r, ++index);
       (r.loss < floor ? off_rule : excluded).push_back(r);
     }
@@ -523,8 +523,8 @@ int run_sweep(const SweepConfig& c) {
   std::snprintf(why, sizeof why, "val loss not %g%% below the bigram loss %.4f of the validation tokens",
                 100.0 * kPlateauMargin, bigram);
   const Run held_shape = shaped(held, c.tokens_per_param, "held-out");
-  Run h = at_rate(held_shape, c.lr ? *c.lr
-                                   : (trend ? trend->at(flops_of(held, held_shape.tokens, c)) : rate.at(held.dim)));
+  Run h =
+      at_rate(held_shape, c.lr ? *c.lr : (trend ? trend->at(flops_of(held, held_shape.tokens, c)) : rate.at(held.dim)));
   plan::ScalingRun held_run = scaling_run(h);
   held_run.loss = 1.0;
   plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all);

@@ -3,10 +3,12 @@
 // llmpar-plan --validate (the example_plan test runs its quick grid).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "llmpar/plan/cluster.hpp"
 #include "llmpar/plan/cost.hpp"
@@ -297,6 +299,33 @@ TEST_CASE("cluster presets, files and their errors") {
   CHECK(back.name == h.name);
   CHECK(back.inter.busbw == h.inter.busbw);
   CHECK(back.fp16.half == h.fp16.half);
+  // Every figure comes back, and none is listed twice.
+  std::vector<std::string> places;
+  std::vector<double> sent, came;
+  Cluster::for_each_figure(h, [&](const std::string& at, double v, bool) {
+    places.push_back(at);
+    sent.push_back(v);
+  });
+  Cluster::for_each_figure(back, [&](const std::string&, double v, bool) { came.push_back(v); });
+  CHECK(came == sent);
+  CHECK(places.size() == 25);
+  std::sort(places.begin(), places.end());
+  CHECK(std::adjacent_find(places.begin(), places.end()) == places.end());
+  {
+    // A file from before shared_ranks was measured reads as 1.
+    std::ofstream out(path);
+    nlohmann::json j = h.to_json();
+    j.erase("shared_ranks");
+    out << j.dump();
+  }
+  CHECK(Cluster::named(path.string()).shared_ranks == 1.0);
+  {
+    std::ofstream out(path);
+    nlohmann::json j = h.to_json();
+    j["gemm"]["bf16"].erase("half");
+    out << j.dump();
+  }
+  CHECK(fails_with([&] { (void)Cluster::named(path.string()); }, "half"));
   {
     std::ofstream out(path);
     nlohmann::json j = h.to_json();

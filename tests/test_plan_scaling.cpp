@@ -578,7 +578,8 @@ TEST_CASE("rate rule: µP that transfers but trains the wide model worse than SP
                    parabola_sweep(Parametrization::mup, 64, 1.4e-2, mup_wide_lowest),
                    parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 4e-3)});
   };
-  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::mup, 64) == doctest::Approx(2.52 + 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)));
+  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::mup, 64) ==
+        doctest::Approx(2.52 + 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)));
   CHECK(plan::lowest_loss(sweep(2.52), Parametrization::sp, 64) == doctest::Approx(2.5));
   // 2.52 / 2.5 is 0.8% (and the nearest grid point a little more): over the 0.5% margin.
   const plan::RateRule worse = plan::rate_rule(sweep(2.52), 16, 64, true);
@@ -587,8 +588,8 @@ TEST_CASE("rate rule: µP that transfers but trains the wide model worse than SP
   CHECK(worse.why.find(", but its lowest loss at width 64 (") != std::string::npos);
   CHECK(worse.why.find("% above SP's (2.5)") != std::string::npos);
   // 2.5 + 0.4%: within the margin, µP stays.
-  const plan::RateRule within = plan::rate_rule(sweep(2.5 * 1.004 - 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)),
-                                                16, 64, true);
+  const plan::RateRule within =
+      plan::rate_rule(sweep(2.5 * 1.004 - 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)), 16, 64, true);
   CHECK(within.parametrization == Parametrization::mup);
   CHECK(within.why.find("it transfers") != std::string::npos);
   // Every SP run at the wide width diverged: µP trains it better, whatever its loss.

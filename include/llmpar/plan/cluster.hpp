@@ -187,32 +187,40 @@ struct Cluster {
     return preset(name_or_file);
   }
 
+  // Every real-valued figure of a cluster, with its place in the JSON file (a JSON
+  // pointer) and whether a file must hold it: the one list that to_json, from_json and
+  // llmpar-plan's median of calibration passes walk. C is Cluster or const Cluster.
+  template <class C, class F>
+  static void for_each_figure(C& c, F&& f) {
+    for (auto [g, key] : {std::pair{&c.fp32, "fp32"}, std::pair{&c.bf16, "bf16"}, std::pair{&c.fp16, "fp16"}}) {
+      f(std::string("/gemm/") + key + "/peak_flops", g->peak_flops, true);
+      f(std::string("/gemm/") + key + "/half", g->half, true);
+    }
+    for (auto [k, key] :
+         {std::pair{&c.fp32_kernels, "fp32"}, std::pair{&c.bf16_kernels, "bf16"}, std::pair{&c.fp16_kernels, "fp16"}}) {
+      f(std::string("/kernels/") + key + "/elementwise", k->elementwise, true);
+      f(std::string("/kernels/") + key + "/attention", k->attention, true);
+    }
+    for (auto [l, key] : {std::pair{&c.intra, "intra"}, std::pair{&c.inter, "inter"}}) {
+      f(std::string("/") + key + "/busbw", l->busbw, true);
+      f(std::string("/") + key + "/latency", l->latency, true);
+    }
+    f(std::string("/memory_bytes"), c.memory_bytes, true);
+    f(std::string("/reserved_bytes"), c.reserved_bytes, true);
+    f(std::string("/memory_bandwidth"), c.memory_bandwidth, true);
+    f(std::string("/overlap"), c.overlap, true);
+    f(std::string("/collective_overhead"), c.collective_overhead, true);
+    f(std::string("/kernel_overhead"), c.kernel_overhead, true);
+    f(std::string("/gemm_overhead"), c.gemm_overhead, true);
+    f(std::string("/shared_ranks"), c.shared_ranks, false);  // files from before it was measured: 1
+    f(std::string("/oversubscribed"), c.oversubscribed, true);
+  }
+
   nlohmann::json to_json() const {
-    auto gemm_json = [](const Gemm& g) { return nlohmann::json{{"peak_flops", g.peak_flops}, {"half", g.half}}; };
-    auto kernels_json = [](const Kernels& k) {
-      return nlohmann::json{{"elementwise", k.elementwise}, {"attention", k.attention}};
-    };
-    auto link_json = [](const Link& l) { return nlohmann::json{{"busbw", l.busbw}, {"latency", l.latency}}; };
-    return {{"name", name},
-            {"nodes", nodes},
-            {"devices_per_node", devices_per_node},
-            {"memory_bytes", memory_bytes},
-            {"reserved_bytes", reserved_bytes},
-            {"gemm", {{"fp32", gemm_json(fp32)}, {"bf16", gemm_json(bf16)}, {"fp16", gemm_json(fp16)}}},
-            {"kernels",
-             {{"fp32", kernels_json(fp32_kernels)},
-              {"bf16", kernels_json(bf16_kernels)},
-              {"fp16", kernels_json(fp16_kernels)}}},
-            {"memory_bandwidth", memory_bandwidth},
-            {"intra", link_json(intra)},
-            {"inter", link_json(inter)},
-            {"shared_node", shared_node},
-            {"overlap", overlap},
-            {"collective_overhead", collective_overhead},
-            {"kernel_overhead", kernel_overhead},
-            {"gemm_overhead", gemm_overhead},
-            {"shared_ranks", shared_ranks},
-            {"oversubscribed", oversubscribed}};
+    nlohmann::json j{
+        {"name", name}, {"nodes", nodes}, {"devices_per_node", devices_per_node}, {"shared_node", shared_node}};
+    for_each_figure(*this, [&](const std::string& at, double v, bool) { j[nlohmann::json::json_pointer(at)] = v; });
+    return j;
   }
 
   static Cluster from_json(const nlohmann::json& j, const std::string& from) {
@@ -221,35 +229,11 @@ struct Cluster {
       c.name = j.at("name").get<std::string>();
       c.nodes = j.at("nodes").get<int>();
       c.devices_per_node = j.at("devices_per_node").get<int>();
-      c.memory_bytes = j.at("memory_bytes").get<double>();
-      c.reserved_bytes = j.at("reserved_bytes").get<double>();
-      auto gemm = [&](const char* key) {
-        const auto& g = j.at("gemm").at(key);
-        return Gemm{g.at("peak_flops").get<double>(), g.at("half").get<double>()};
-      };
-      c.fp32 = gemm("fp32");
-      c.bf16 = gemm("bf16");
-      c.fp16 = gemm("fp16");
-      auto kernels = [&](const char* key) {
-        const auto& k = j.at("kernels").at(key);
-        return Kernels{k.at("elementwise").get<double>(), k.at("attention").get<double>()};
-      };
-      c.fp32_kernels = kernels("fp32");
-      c.bf16_kernels = kernels("bf16");
-      c.fp16_kernels = kernels("fp16");
-      c.memory_bandwidth = j.at("memory_bandwidth").get<double>();
-      auto link = [&](const char* key) {
-        return Link{j.at(key).at("busbw").get<double>(), j.at(key).at("latency").get<double>()};
-      };
-      c.intra = link("intra");
-      c.inter = link("inter");
       c.shared_node = j.at("shared_node").get<bool>();
-      c.overlap = j.at("overlap").get<double>();
-      c.collective_overhead = j.at("collective_overhead").get<double>();
-      c.kernel_overhead = j.at("kernel_overhead").get<double>();
-      c.gemm_overhead = j.at("gemm_overhead").get<double>();
-      c.shared_ranks = j.value("shared_ranks", 1.0);  // files from before it was measured: 1
-      c.oversubscribed = j.at("oversubscribed").get<double>();
+      for_each_figure(c, [&](const std::string& at, double& v, bool required) {
+        const nlohmann::json::json_pointer ptr(at);
+        if (required || j.contains(ptr)) v = j.at(ptr).get<double>();
+      });
     } catch (const nlohmann::json::exception& e) {
       LLMPAR_FAIL("cluster ", from, ": ", e.what(), "; rewrite it with llmpar-plan --calibrate FILE");
     }
