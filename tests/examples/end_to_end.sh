@@ -46,7 +46,11 @@
 #                 the held-out model at 10x the largest fit run's compute) with losses from
 #                 a known Chinchilla law and 0.3% noise; the fit recovers E, alpha and beta
 #                 within 0.05 and predicts the held-out loss within 2%; the report, CSV and
-#                 a rerun that reuses every finished run; bad flags are named
+#                 a rerun that reuses every finished run; bad flags are named. Then the
+#                 tuned sweep on shards of a small text with a stand-in trainer
+#                 (fake_train_gpt.sh, a known law): the walks find the law's best rates,
+#                 each fit size is the mean of 3 seeds, the plateau size is excluded, the
+#                 held-out run is at the trend's rate, and a rerun reuses every run
 #   cuda          --backend cuda trains as the CPU backend does: the same 5 step losses
 #                 to 1e-4 relative in fp32 (different kernels sum in different orders),
 #                 2e-2 in bf16 and 5e-3 in fp16 (each against the CPU backend in the same
@@ -56,6 +60,7 @@
 #                 where there is no GPU.
 set -euo pipefail
 bin="$1" work="$2" case="$3"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 rm -rf "$work" && mkdir -p "$work" && cd "$work"
 
 fail() { echo "FAILED: $*" >&2; exit 1; }
@@ -389,6 +394,27 @@ PY
     : >tokens.bin
     expect_error "does not contain 'train'" "$bin/llmpar-scaling" --data tokens.bin
     expect_error "--batch 16 is not divisible by --ranks 3" "$bin/llmpar-scaling" --synthetic --ranks 3
+    expect_error "--seeds 0; give at least 1" "$bin/llmpar-scaling" --synthetic --seeds 0
+    # The tuned sweep (learning-rate sweep, walks, seeds, plateau, rate trend) on real
+    # shards, with a stand-in trainer whose losses follow a known law.
+    fake="$here/fake_train_gpt.sh"
+    for i in $(seq 1 200); do echo "Line $i of a small corpus, with words to learn and bytes to predict."; done >text.txt
+    "$bin/prepare_data" --out data/small text.txt
+    "$bin/llmpar-scaling" --data data/small_train.bin --out tuned --train-gpt "$fake" | tee tuned.txt
+    [[ $(grep -c '^  mean of 3 seeds' tuned.txt) == 9 ]] || fail "not every fit size took the mean of 3 seeds"
+    [[ $(grep -c '"seed":2' tuned/runs.jsonl) == 9 ]] || fail "runs.jsonl lacks the third seed of each fit size"
+    # The smallest size's walk finds the law's best rate, 0.02 x 64 / 16; it sits on the
+    # plateau (its loss above the bigram loss) and the fits leave it out.
+    grep -q '^  best: .*(the parabola.s vertex: 0.08)$' tuned.txt || fail "the first walk missed the best rate 0.08"
+    grep -q '"excluded_runs"' tuned/scaling.json || fail "the plateau size is not among the excluded runs"
+    # The held-out run trains at the trend of the best rates, the law's 0.02 x 64 / 128.
+    grep -q '^prediction for held-out-L7-C128-x20-b16-lr0.01 ' tuned.txt || fail "the held-out run is not at lr 0.01"
+    grep -q '^held-out .*achieved' tuned.txt || fail "no held-out result"
+    "$bin/llmpar-scaling" --data data/small_train.bin --out tuned --train-gpt "$fake" | tee again.txt
+    runs=$(grep -c '^run ' tuned.txt)
+    [[ $(grep -c 'from tuned/runs.jsonl' again.txt) == "$runs" ]] || fail "a rerun did not reuse all $runs runs"
+    "$bin/llmpar-scaling" --data data/small_train.bin --out one-seed --seeds 1 --train-gpt "$fake" | tee one.txt
+    ! grep -q 'mean of' one.txt || fail "--seeds 1 averaged seeds"
     ;;
   cuda)
     base=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 20 --peak-gflops 50 --no-shuffle)
