@@ -1,7 +1,7 @@
 // llmpar-scaling — predicts a large run's loss from small ones, then trains the large
 // one and reports predicted against achieved.
 //
-//   llmpar-scaling --data data/docs_train.bin --out scaling           # about 75 minutes on 2 cores
+//   llmpar-scaling --data data/docs_train.bin --out scaling           # about 95 minutes on 2 cores
 //   llmpar-scaling --budget 16 ...                                  # 16x the compute of every run
 //   llmpar-scaling --synthetic --out synthetic                      # losses from a known law: the fit's check
 //
@@ -620,7 +620,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", c.out, "Directory of the runs, the report (scaling.json) and runs.csv")
       ->capture_default_str();
   app.add_option("--budget", c.budget,
-                 "Compute of every run, relative to the default sweep (about 75 minutes on 2 cores)")
+                 "Compute of every run, relative to the default sweep (about 95 minutes on 2 cores)")
       ->capture_default_str();
   app.add_option("--tokens-per-param", c.tokens_per_param, "Tokens per parameter of the rule's runs")
       ->capture_default_str();
@@ -643,7 +643,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     LLMPAR_CHECK(std::isfinite(c.budget) && c.budget > 0.0, "--budget ", c.budget,
-                 "; give a positive multiple of the default sweep's compute (1: about 75 minutes on 2 cores)");
+                 "; give a positive multiple of the default sweep's compute (1: about 95 minutes on 2 cores)");
     LLMPAR_CHECK(c.seeds >= 1, "--seeds ", c.seeds, "; give at least 1 run per fit size");
     LLMPAR_CHECK(c.tokens_per_param > 0.0, "--tokens-per-param ", c.tokens_per_param, "; give a positive ratio");
     LLMPAR_CHECK(c.ranks >= 1 && c.batch % c.ranks == 0, "--batch ", c.batch, " is not divisible by --ranks ", c.ranks,
