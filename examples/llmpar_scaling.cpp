@@ -103,7 +103,8 @@ Shape family(int k, const SweepConfig& c) {
 // (the family's shape, width 16 per layer, or wider) with at least `target` parameters.
 // Measured at these sizes (sweep 3, docs/scaling.md), a layer more at the same width
 // gained little or lost (2.5% at width 48, 4.2% at 80, -4.1% at 64) where more width
-// gained much (16% from 48 to 64 at 3 layers): a model deeper than the fit's trains
+// gained much (16% from 48 to 64 at 3 layers; sweep 4's means of three seeds: 4.5%,
+// 0.7% and 4.9% for a layer, 11.7% for the width): a model deeper than the fit's trains
 // worse than their law says, so the held-out model keeps the fit's shapes.
 Shape smallest_above(double target, const SweepConfig& c) {
   Shape best{1, 16};
@@ -168,15 +169,20 @@ nlohmann::json record_of(const Run& r) {
           {"flops", r.flops}, {"loss", r.loss}, {"seconds", r.seconds},     {"seed", r.seed}};
 }
 
+// Whether a record of OUT/runs.jsonl trained what `r` would, its rate aside: the same
+// role, model, tokens, batch, parametrisation and seed.
+bool same_setup(const nlohmann::json& j, const Run& r) {
+  return j.value("role", "") == r.role && j.at("layers") == r.shape.layers && j.at("dim") == r.shape.dim &&
+         j.at("tokens") == r.tokens && j.value("batch", std::int64_t{0}) == r.batch && j.at("mup") == r.mup &&
+         j.value("seed", 0) == r.seed;
+}
+
 // The runs OUT/runs.jsonl holds, by name, that match `r`'s configuration.
 bool reuse(Run& r, const std::map<std::string, nlohmann::json>& finished) {
   const auto it = finished.find(r.name);
   if (it == finished.end()) return false;
   const nlohmann::json& j = it->second;
-  if (j.at("layers") != r.shape.layers || j.at("dim") != r.shape.dim || j.at("tokens") != r.tokens ||
-      std::abs(j.at("lr").get<double>() - r.lr) > 1e-12 * r.lr || j.at("mup") != r.mup ||
-      j.value("batch", std::int64_t{0}) != r.batch || j.value("seed", 0) != r.seed)
-    return false;
+  if (!same_setup(j, r) || std::abs(j.at("lr").get<double>() - r.lr) > 1e-12 * r.lr) return false;
   r.params = j.at("params");
   r.flops = j.at("flops");
   r.loss = j.at("loss").is_null() ? std::numeric_limits<double>::quiet_NaN() : j.at("loss").get<double>();
@@ -287,17 +293,12 @@ class Sweep {
     out << j.dump() << "\n";
   }
 
-  const SweepConfig& config() const { return c_; }
-
-  // The rates of the finished runs of `like`'s role, model, tokens, batch and
-  // parametrisation: a walk started again takes them up where it stopped.
+  // The rates of the finished runs of `like`'s setup (same_setup): a walk started again
+  // takes them up where it stopped.
   std::vector<double> rates_of(const Run& like) const {
     std::vector<double> rates;
     for (const auto& [name, j] : finished_)
-      if (j.value("role", "") == like.role && j.at("layers") == like.shape.layers && j.at("dim") == like.shape.dim &&
-          j.at("tokens") == like.tokens && j.value("batch", std::int64_t{0}) == like.batch && j.at("mup") == like.mup &&
-          j.value("seed", 0) == like.seed)
-        rates.push_back(j.at("lr").get<double>());
+      if (same_setup(j, like)) rates.push_back(j.at("lr").get<double>());
     return rates;
   }
 
@@ -444,7 +445,7 @@ int run_sweep(const SweepConfig& c) {
     return rate.at(r.shape.dim) * std::sqrt(static_cast<double>(r.batch) / static_cast<double>(sweep_batch));
   };
   struct Tuned {
-    Run run;            // the walk's best
+    Run run;            // the walk's best run, its loss the mean of the seeds at its rate
     double rate = 0.0;  // the parabola's vertex: the best rate
   };
   auto tune = [&](const Shape& s, double ratio, const char* role) {
@@ -482,8 +483,8 @@ int run_sweep(const SweepConfig& c) {
     std::printf("  best: val loss %.4f at lr %.3g (the parabola's vertex: %.3g)\n", best->loss, best->lr, vertex);
     trend_points.emplace_back(best->flops, vertex);
     // The size's loss: the mean over --seeds runs at the best rate (the walk's and
-    // seeds - 1 more). One run scatters by about 2% at these sizes: sweep 4's 342k model
-    // reached 1.763, 1.683, 1.753 and 1.739 at four rates a factor 2 apart, not in order.
+    // seeds - 1 more). Three seeds at one rate differed by 1.5 to 6% in sweep 4
+    // (docs/scaling.md), as much as rates a factor 2 apart.
     Tuned t{*best, vertex};
     double sum = best->loss;
     for (int k = 1; k < c.seeds; ++k) {
