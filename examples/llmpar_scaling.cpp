@@ -77,6 +77,9 @@ struct SweepConfig {
   std::optional<double> lr;
   std::int64_t eval_batches = 64;
   int seeds = 3;  // runs averaged at each fit size's best rate
+  // The recipe every run trains with (train_gpt's --init-std and --beta2).
+  bool small_init = true;  // init std sqrt(2 / (5·width)) (GPT2Config::small_init_std), else GPT-2's 0.02
+  double beta2 = 0.99;     // AdamW's second-moment decay: batches here are 1 to 16 sequences
 };
 
 models::GPT2Config config_of(const Shape& s, const SweepConfig& c) {
@@ -140,6 +143,8 @@ struct Run {
   std::int64_t mup_base = 32;
   std::int64_t batch = 16;  // sequences per step, over all ranks (plan::BatchRule)
   int seed = 0;             // of initialisation and data order: train_gpt --seed kBaseSeed + seed
+  double init_std = 0.02;   // train_gpt --init-std (init_std_of)
+  double beta2 = 0.95;      // train_gpt --beta2
   // results
   bool done = false;
   double params = 0.0, flops = 0.0, loss = 0.0, seconds = 0.0;
@@ -163,18 +168,29 @@ std::int64_t eval_batches_of(const Run& r, const SweepConfig& c) {
   return std::max<std::int64_t>(1, c.eval_batches * c.batch / r.batch);
 }
 
+// The init std of a run's model: under µP the base width's (µP scales the hidden
+// matrices from there, as it does the rate), else its own width's.
+double init_std_of(const Shape& s, bool mup, std::int64_t mup_base, const SweepConfig& c) {
+  if (!c.small_init) return 0.02;
+  return models::GPT2Config::small_init_std(mup ? mup_base : s.dim);
+}
+
 nlohmann::json record_of(const Run& r) {
-  return {{"name", r.name},   {"role", r.role}, {"layers", r.shape.layers}, {"dim", r.shape.dim}, {"tokens", r.tokens},
-          {"lr", r.lr},       {"mup", r.mup},   {"mup_base", r.mup_base},   {"batch", r.batch},   {"params", r.params},
-          {"flops", r.flops}, {"loss", r.loss}, {"seconds", r.seconds},     {"seed", r.seed}};
+  return {{"name", r.name},         {"role", r.role},   {"layers", r.shape.layers}, {"dim", r.shape.dim},
+          {"tokens", r.tokens},     {"lr", r.lr},       {"mup", r.mup},             {"mup_base", r.mup_base},
+          {"batch", r.batch},       {"params", r.params}, {"flops", r.flops},       {"loss", r.loss},
+          {"seconds", r.seconds},   {"seed", r.seed},   {"init_std", r.init_std},   {"beta2", r.beta2}};
 }
 
 // Whether a record of OUT/runs.jsonl trained what `r` would, its rate aside: the same
-// role, model, tokens, batch, parametrisation and seed.
+// role, model, tokens, batch, parametrisation, seed and recipe (records without
+// init_std and beta2 trained at train_gpt's defaults then, 0.02 and 0.95).
 bool same_setup(const nlohmann::json& j, const Run& r) {
+  const auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::abs(b); };
   return j.value("role", "") == r.role && j.at("layers") == r.shape.layers && j.at("dim") == r.shape.dim &&
          j.at("tokens") == r.tokens && j.value("batch", std::int64_t{0}) == r.batch && j.at("mup") == r.mup &&
-         j.value("seed", 0) == r.seed;
+         j.value("seed", 0) == r.seed && near(j.value("init_std", 0.02), r.init_std) &&
+         near(j.value("beta2", 0.95), r.beta2);
 }
 
 // The runs OUT/runs.jsonl holds, by name, that match `r`'s configuration.
@@ -202,10 +218,10 @@ double final_val_loss(const std::string& metrics) {
   return loss;
 }
 
-// A learning rate as train_gpt's flag, with the digits it needs.
-std::string rate_flag(double lr) {
+// A number (a learning rate, an init std) as train_gpt's flag, with the digits it needs.
+std::string number_flag(double x) {
   char s[32];
-  std::snprintf(s, sizeof s, "%.6g", lr);
+  std::snprintf(s, sizeof s, "%.6g", x);
   return s;
 }
 
@@ -263,13 +279,17 @@ class Sweep {
                                     "--warmup",
                                     std::to_string(std::max<std::int64_t>(1, steps / 20)),
                                     "--lr",
-                                    rate_flag(r.lr),
+                                    number_flag(r.lr),
                                     "--eval-every",
                                     std::to_string(steps),
                                     "--eval-batches",
                                     std::to_string(eval_batches_of(r, c_)),
                                     "--sample-tokens",
                                     "0",
+                                    "--init-std",
+                                    number_flag(r.init_std),
+                                    "--beta2",
+                                    number_flag(r.beta2),
                                     "--metrics",
                                     base + ".jsonl"};
       args.emplace_back("--seed");
@@ -392,6 +412,8 @@ int run_sweep(const SweepConfig& c) {
           r.mup = mup;
           r.mup_base = base_width;
           r.batch = sweep_batch;
+          r.init_std = init_std_of(r.shape, mup, base_width, c);
+          r.beta2 = c.beta2;
           char name[64];
           std::snprintf(name, sizeof name, "%s-C%lld-b%lld-lr%.3g", mup ? "mup" : "sp", static_cast<long long>(width),
                         static_cast<long long>(sweep_batch), lr);
@@ -428,6 +450,8 @@ int run_sweep(const SweepConfig& c) {
     r.batch = batch.at(flops_of(s, r.tokens, c));
     r.mup = rate.parametrization == plan::Parametrization::mup;
     r.mup_base = base_width;
+    r.init_std = init_std_of(s, r.mup, base_width, c);
+    r.beta2 = c.beta2;
     return r;
   };
   auto at_rate = [](Run r, double lr) {
@@ -639,6 +663,11 @@ int main(int argc, char** argv) {
   app.add_option("--seeds", c.seeds,
                  "Runs averaged at each fit size's best rate (seeds of initialisation and data order)")
       ->capture_default_str();
+  app.add_option("--beta2", c.beta2, "AdamW's second-moment decay of every run")->capture_default_str();
+  bool gpt2_init = false;
+  app.add_flag("--gpt2-init", gpt2_init,
+               "Initialise every model at GPT-2's fixed std 0.02 (default: sqrt(2 / (5 width)), which keeps 0.02's "
+               "proportion at every width)");
   app.add_flag("--synthetic", c.synthetic, "No training: losses from a known law, which the fit must recover");
   app.add_option("--train-gpt", c.train_gpt, "The train_gpt program (default: beside this one)");
   CLI11_PARSE(app, argc, argv);
@@ -653,6 +682,9 @@ int main(int argc, char** argv) {
       LLMPAR_CHECK(lr > 0.0, "--lr ", lr, "; give a positive learning rate");
       c.lr = lr;
     }
+    LLMPAR_CHECK(std::isfinite(c.beta2) && c.beta2 >= 0.0 && c.beta2 < 1.0, "--beta2 ", c.beta2,
+                 "; AdamW's second-moment decay must be in [0, 1), e.g. 0.99");
+    c.small_init = !gpt2_init;
     c.lr_sweep = !no_lr_sweep && !c.synthetic;
     c.mup = !no_mup;
     if (!c.synthetic) {

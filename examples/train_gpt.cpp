@@ -127,7 +127,10 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-mb", o.bucket_mb, "Gradient bucket size in MiB of f32 gradients")->capture_default_str();
   app.add_flag("!--no-overlap", o.overlap, "Reduce gradient buckets after backward instead of during it (measuring)");
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to 10% (default: min(20, steps))");
+  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to --final-lr (default: min(20, steps))");
+  app.add_option("--final-lr", o.final_lr, "The last step's learning rate, as a fraction of --lr")->capture_default_str();
+  app.add_option("--beta1", o.beta1, "AdamW's first-moment decay")->capture_default_str();
+  app.add_option("--beta2", o.beta2, "AdamW's second-moment decay")->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--grad-clip", o.grad_clip, "Max global gradient norm (0: off)")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of initialisation, data order and sampling")->capture_default_str();

@@ -25,6 +25,7 @@ using namespace llmpar;
 struct Options {
   std::string model = "gpt2-tiny";
   std::optional<std::int64_t> layers, heads, dim, seq, vocab;
+  std::optional<float> init_std;             // the hidden matrices' and embeddings' init std (default 0.02)
   bool mup = false;                          // µP (models::GPT2Config::mup)
   std::optional<std::int64_t> mup_base_dim;  // its base width (default 128)
   std::string data, val_data;
@@ -37,6 +38,8 @@ struct Options {
   bool overlap = true;                       // reduce buckets during backward
   float lr = 2e-3f;
   std::optional<std::int64_t> warmup;  // default: min(20, steps)
+  float final_lr = 0.1f;               // the cosine's floor, as a fraction of --lr
+  float beta1 = 0.9f, beta2 = 0.95f;   // AdamW's moment decays
   float weight_decay = 0.1f;
   float grad_clip = 1.0f;
   std::uint64_t seed = 1337;
@@ -80,6 +83,8 @@ void add_model_options(App& app, Options& o) {
   app.add_option("--heads", o.heads, "Override the preset's attention heads");
   app.add_option("--dim", o.dim, "Override the preset's channels");
   app.add_option("--vocab", o.vocab, "Override the vocabulary size (padded to a multiple of 128)");
+  app.add_option("--init-std", o.init_std,
+                 "Init std of the embeddings and hidden matrices (default: the preset's, GPT-2's 0.02)");
 }
 
 // Whether the loss spike guard runs: --spike-guard / --no-spike-guard, else with --save.
@@ -192,6 +197,7 @@ inline models::GPT2Config model_config(const Options& o) {
   if (o.layers) cfg.layers = *o.layers;
   if (o.heads) cfg.heads = *o.heads;
   if (o.dim) cfg.dim = *o.dim;
+  if (o.init_std) cfg.init_std = *o.init_std;
   cfg.mup = o.mup;
   if (o.mup_base_dim) cfg.mup_base_dim = *o.mup_base_dim;
   if (o.vocab) {
@@ -253,6 +259,12 @@ inline void validate(const Options& o, int world_size) {
   if (o.warmup)
     LLMPAR_CHECK(*o.warmup >= 0 && *o.warmup <= o.steps, "--warmup ", *o.warmup, " must be in [0, --steps ", o.steps,
                  "]");
+  LLMPAR_CHECK(std::isfinite(o.final_lr) && o.final_lr >= 0.0f && o.final_lr <= 1.0f, "--final-lr ", o.final_lr,
+               " is the last step's rate as a fraction of --lr; give a number in [0, 1]");
+  LLMPAR_CHECK(std::isfinite(o.beta1) && o.beta1 >= 0.0f && o.beta1 < 1.0f, "--beta1 ", o.beta1,
+               "; AdamW's first-moment decay must be in [0, 1), e.g. 0.9");
+  LLMPAR_CHECK(std::isfinite(o.beta2) && o.beta2 >= 0.0f && o.beta2 < 1.0f, "--beta2 ", o.beta2,
+               "; AdamW's second-moment decay must be in [0, 1), e.g. 0.95 (0.99 for batches of a few sequences)");
   LLMPAR_CHECK(o.weight_decay >= 0.0f, "--weight-decay ", o.weight_decay, "; it must be >= 0");
   LLMPAR_CHECK(o.grad_clip >= 0.0f, "--grad-clip ", o.grad_clip, "; use a positive norm, or 0 to disable clipping");
   LLMPAR_CHECK(o.eval_every >= 0, "--eval-every ", o.eval_every, "; use a number of steps, or 0 for no validation");
@@ -452,6 +464,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"seq", seq},
                  {"vocab", cfg.vocab},
                  {"padded_vocab", cfg.padded_vocab},
+                 {"init_std", cfg.init_std},
                  {"mup", cfg.mup},
                  {"mup_base_dim", cfg.mup_base_dim},
                  {"parameters", model.num_parameters()},
@@ -473,6 +486,9 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"steps", o.steps},
                  {"lr", o.lr},
                  {"warmup", warmup},
+                 {"final_lr", o.final_lr},
+                 {"beta1", o.beta1},
+                 {"beta2", o.beta2},
                  {"seed", o.seed},
                  {"precision", o.precision},
                  {"policy", Policy::kName},
@@ -480,9 +496,11 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  {"peak_gflops", peak.gflops},
                  {"peak_source", peak.source}});
 
-  const optim::AdamWConfig opt{.lr = o.lr, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
+  const optim::AdamWConfig opt{
+      .lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
   const std::int64_t steps = std::max<std::int64_t>(o.steps, 1);  // --steps 0 converts and trains none
-  const optim::CosineSchedule schedule{.peak_lr = o.lr, .warmup_steps = warmup, .total_steps = steps};
+  const optim::CosineSchedule schedule{
+      .peak_lr = o.lr, .warmup_steps = warmup, .total_steps = steps, .final_ratio = o.final_lr};
   train::Trainer<models::GPT2<T, B>, Policy> trainer(
       ctx, model, opt, schedule, train_loader,
       {.steps = steps,

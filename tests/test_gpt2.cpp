@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -289,9 +290,38 @@ TEST_CASE("µP at 4x its base width: hidden matrices start at init_std / 2 and t
     }
   }
   CHECK(hidden == 4 * mup.layers);
-  // The embeddings keep their own scales: wte init_std, wpe 0.01.
+  // The embeddings keep their own scales: wte init_std, wpe init_std / 2 (GPT-2's 0.01).
   CHECK(rms(on.parameter_store().find("wte")) == doctest::Approx(0.02).epsilon(0.05).scale(0));
   CHECK(rms(on.parameter_store().find("wpe")) == doctest::Approx(0.01).epsilon(0.05).scale(0));
+}
+
+TEST_CASE("init_std sets every initial scale: hidden matrices, residual projections, wte, and wpe at half") {
+  // 64 channels: every tensor holds 4096 draws or more, so a measured std is within 5%.
+  models::GPT2Config cfg{
+      .layers = 2, .heads = 4, .dim = 64, .max_seq = 64, .vocab = 256, .padded_vocab = 256, .init_std = 0.02f};
+  cfg.init_std = models::GPT2Config::small_init_std(cfg.dim);
+  // sqrt(2 / (5 * 64)) = 0.0790569; GPT-2's 0.02 is the rule at 1000 channels, 0.0228 at 768.
+  CHECK(cfg.init_std == doctest::Approx(0.0790569).epsilon(1e-6));
+  CHECK(models::GPT2Config::small_init_std(1000) == doctest::Approx(0.02).epsilon(1e-6));
+  CHECK(models::GPT2Config::small_init_std(768) == doctest::Approx(0.0228218).epsilon(1e-5));
+  models::GPT2<float> model(cfg, 5);
+  int hidden = 0;
+  for (const nn::Parameter<float>* p : model.parameter_store().parameters()) {
+    INFO(p->name);
+    if (!is_hidden_matrix(p->name)) continue;
+    ++hidden;
+    const bool residual = p->name.ends_with(".c_proj.weight");
+    const double want = cfg.init_std / (residual ? std::sqrt(2.0 * static_cast<double>(cfg.layers)) : 1.0);
+    CHECK(rms(*p) == doctest::Approx(want).epsilon(0.05).scale(0));
+  }
+  CHECK(hidden == 4 * cfg.layers);
+  CHECK(rms(model.parameter_store().find("wte")) == doctest::Approx(cfg.init_std).epsilon(0.05).scale(0));
+  CHECK(rms(model.parameter_store().find("wpe")) == doctest::Approx(cfg.init_std / 2).epsilon(0.05).scale(0));
+  // A scale that is not a positive number is named with its flag.
+  for (const float bad : {0.0f, -0.1f, std::numeric_limits<float>::quiet_NaN()}) {
+    cfg.init_std = bad;
+    CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("init_std (--init-std) is"), Error);
+  }
 }
 
 TEST_CASE("µP at 2x its base width: gradients match finite differences in double, and the logits are halved") {

@@ -91,6 +91,18 @@ case "$case" in
     "$bin/train_gpt" --data 'data/small_train*.bin' --steps 5 --batch 2 --seq 32 --eval-every 5 \
       --eval-batches 2 --sample-tokens 0 --peak-gflops 50 | tee out.txt
     grep -q 'step     5/5' out.txt || fail "training on shards did not reach step 5"
+    # The recipe's flags reach the run: the config records them, and another init std
+    # starts from another validation loss.
+    small=(--data 'data/small_train*.bin' --steps 2 --batch 2 --seq 32 --eval-every 2 --eval-batches 2
+      --sample-tokens 0 --peak-gflops 50)
+    "$bin/train_gpt" "${small[@]}" --metrics default.jsonl >/dev/null
+    "$bin/train_gpt" "${small[@]}" --init-std 0.2 --beta1 0.8 --beta2 0.99 --final-lr 0 --metrics recipe.jsonl
+    config=$(grep '"type":"config"' recipe.jsonl)
+    for field in '"init_std":0.2' '"beta1":0.8' '"beta2":0.99' '"final_lr":0.0[,}]'; do
+      grep -Eq "$field" <<<"$config" || fail "the metrics config does not record $field: $config"
+    done
+    first_eval() { grep -m1 '"type":"eval"' "$1" | sed 's/.*"val_loss":\([0-9.]*\).*/\1/'; }
+    [[ $(first_eval default.jsonl) != $(first_eval recipe.jsonl) ]] || fail "--init-std 0.2 started from the default loss"
     ;;
   missing-data)
     expect_error "no shard matches 'nowhere/x_train*.bin'" "$bin/train_gpt" --data 'nowhere/x_train*.bin'
@@ -138,6 +150,11 @@ case "$case" in
     no_step "--sample-tokens 10 with --pp 2: sampling runs the whole model on one rank" "$bin/train_gpt" --ranks 2 \
       --pp 2 --sample-tokens 10
     no_step "--tp 2 x --pp 2 does not divide the 2 ranks" "$bin/train_gpt" --ranks 2 --tp 2 --pp 2
+    no_step "init_std (--init-std) is 0; give a positive standard deviation" "$bin/train_gpt" --init-std 0
+    no_step "--beta2 1; AdamW's second-moment decay must be in [0, 1)" "$bin/train_gpt" --beta2 1
+    no_step "--beta1 -0.5; AdamW's first-moment decay must be in [0, 1)" "$bin/train_gpt" --beta1 -0.5
+    no_step "--final-lr 2 is the last step's rate as a fraction of --lr; give a number in [0, 1]" "$bin/train_gpt" \
+      --final-lr 2
     no_step "--mup-base-dim 64 sets µP's base width; it needs --mup" "$bin/train_gpt" --mup-base-dim 64
     no_step "mup_base_dim (--mup-base-dim) is 0; µP needs a positive base width" "$bin/train_gpt" --mup \
       --mup-base-dim 0
@@ -413,6 +430,19 @@ PY
     "$bin/llmpar-scaling" --data data/small_train.bin --out tuned --train-gpt "$fake" | tee again.txt
     runs=$(grep -c '^run ' tuned.txt)
     [[ $(grep -c 'from tuned/runs.jsonl' again.txt) == "$runs" ]] || fail "a rerun did not reuse all $runs runs"
+    # Every run trains with the sweep's recipe: init std sqrt(2 / (5 width)), AdamW β2 0.99;
+    # runs of another recipe (--gpt2-init) are not taken up as this one's.
+    [[ $(cat tuned/runs/fit-L1-C16-x20-b1-lr0.0591.recipe) == "16 0.158114 0.99" ]] ||
+      fail "the width-16 run did not get --init-std 0.158114 --beta2 0.99"
+    [[ $(cat tuned/runs/held-out-L7-C128-x20-b16-lr0.01.recipe) == "128 0.0559017 0.99" ]] ||
+      fail "the held-out run did not get --init-std 0.0559017 --beta2 0.99"
+    cp -r tuned gpt2-init
+    "$bin/llmpar-scaling" --data data/small_train.bin --out gpt2-init --gpt2-init --beta2 0.95 --train-gpt "$fake" |
+      tee gpt2.txt
+    ! grep -q 'from gpt2-init/runs.jsonl' gpt2.txt || fail "a run of another recipe was taken up"
+    [[ $(cat gpt2-init/runs/fit-L1-C16-x20-b1-lr0.0591.recipe) == "16 0.02 0.95" ]] ||
+      fail "--gpt2-init --beta2 0.95 did not reach train_gpt"
+    expect_error "--beta2 1; AdamW" "$bin/llmpar-scaling" --synthetic --beta2 1
     "$bin/llmpar-scaling" --data data/small_train.bin --out one-seed --seeds 1 --train-gpt "$fake" | tee one.txt
     ! grep -q 'mean of' one.txt || fail "--seeds 1 averaged seeds"
     ;;

@@ -203,7 +203,8 @@ class Transformer {
       table_.emplace(Spec::kTokenTable, cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp);
     if constexpr (kPositionTable)
       if (pl.first())
-        positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim}, nn::Init::normal(0.01f), true);
+        positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim},
+                                      nn::Init::normal(cfg.init_std / 2.0f), true);  // GPT-2's 0.01 at 0.02
     if (pl.last()) norm_.emplace(Spec::template final_norm<T, Backend>(cfg));
     for (int c = 0; c < pl.chunks; ++c) {
       chunk_first_.push_back(static_cast<std::int64_t>(blocks_.size()));
