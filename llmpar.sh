@@ -20,7 +20,7 @@
 #                                            build, prepare data/docs_*.bin (the Debian documentation
 #                                            corpus), fit scaling laws to a sweep of small runs, train
 #                                            a 10x larger model against the prediction, plot it
-#                                            (OUT/scaling.png; about 95 minutes on 2 cores; --budget B)
+#                                            (OUT/scaling.png; about 3 hours on 2 cores; --budget B)
 #   ./llmpar.sh gpu-check                    on a machine with an NVIDIA GPU, in at most 8 minutes:
 #                                            build for that GPU only, ctest -L gpu, the CUDA kernel
 #                                            benchmarks, train_gpt --backend cuda in fp32, bf16 and

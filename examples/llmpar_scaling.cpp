@@ -1,7 +1,7 @@
 // llmpar-scaling — predicts a large run's loss from small ones, then trains the large
 // one and reports predicted against achieved.
 //
-//   llmpar-scaling --data data/docs_train.bin --out scaling           # about 95 minutes on 2 cores
+//   llmpar-scaling --data data/docs_train.bin --out scaling           # about 3 hours on 2 cores
 //   llmpar-scaling --budget 16 ...                                  # 16x the compute of every run
 //   llmpar-scaling --synthetic --out synthetic                      # losses from a known law: the fit's check
 //
@@ -26,7 +26,8 @@
 //     1/4 and 4x the ratio, at the trend's rate: the Chinchilla fit needs runs where N and
 //     D do not move together.
 //  4. The fits (plan/scaling.hpp): L(C) = a·C^b + c over the rule's runs, L(N, D) = E +
-//     A/N^α + B/D^β over those and the off-rule runs, with bootstrap intervals.
+//     A/N^α + B/D^β over those and the off-rule runs, with bootstrap intervals, and the
+//     power law's interval from the fit sizes' seeds alone (the training noise).
 //  5. The held-out model: one with at least 10x the compute of the largest fit run,
 //     trained once, at the rate the trend of the fit's best rates gives its compute; its
 //     achieved loss against the prediction and interval.
@@ -353,6 +354,21 @@ std::string size_name(double params) {
   return s;
 }
 
+// The part of the held-out prediction's uncertainty that is the fit runs' training
+// noise: the prediction's interval when only each size's seeds are resampled.
+void print_seed_noise(const plan::ScalingReport& report) {
+  const plan::HeldOutPrediction& p = report.predictions.front();
+  if (!p.seed_noise) {
+    std::printf("  training noise: not measured (no fit size has two seeds; --seeds 3 measures it)\n");
+    return;
+  }
+  const double half = 0.5 * (p.seed_noise->hi - p.seed_noise->lo) / p.power_law.value;
+  std::printf(
+      "  from the seeds alone (each size's seeds resampled, %zu fits): [%.4f, %.4f], +-%.1f%% of the "
+      "prediction\n",
+      report.seed_bootstrap->samples.size(), p.seed_noise->lo, p.seed_noise->hi, 100.0 * half);
+}
+
 // How the rule reads in the log.
 std::string describe(const plan::RateRule& r) {
   char s[160];
@@ -469,8 +485,9 @@ int run_sweep(const SweepConfig& c) {
     return rate.at(r.shape.dim) * std::sqrt(static_cast<double>(r.batch) / static_cast<double>(sweep_batch));
   };
   struct Tuned {
-    Run run;            // the walk's best run, its loss the mean of the seeds at its rate
-    double rate = 0.0;  // the parabola's vertex: the best rate
+    Run run;                    // the walk's best run, its loss the mean of the seeds at its rate
+    double rate = 0.0;          // the parabola's vertex: the best rate
+    std::vector<double> seeds;  // the losses of the seeds at that rate
   };
   auto tune = [&](const Shape& s, double ratio, const char* role) {
     const Run probe = shaped(s, ratio, role);
@@ -478,7 +495,7 @@ int run_sweep(const SweepConfig& c) {
     if (!tuning) {
       Run r = at_rate(probe, c.lr ? *c.lr : rate.at(s.dim));
       sweep.train(r, ++index);
-      return Tuned{r, r.lr};
+      return Tuned{r, r.lr, {r.loss}};
     }
     std::vector<std::pair<double, double>> tried;
     std::vector<Run> walk;
@@ -509,8 +526,7 @@ int run_sweep(const SweepConfig& c) {
     // The size's loss: the mean over --seeds runs at the best rate (the walk's and
     // seeds - 1 more). Three seeds at one rate differed by 1.5 to 6% in sweep 4
     // (docs/scaling.md), as much as rates a factor 2 apart.
-    Tuned t{*best, vertex};
-    double sum = best->loss;
+    Tuned t{*best, vertex, {best->loss}};
     for (int k = 1; k < c.seeds; ++k) {
       Run r = *best;
       r.seed = k;
@@ -519,9 +535,11 @@ int run_sweep(const SweepConfig& c) {
       sweep.train(r, ++index);
       LLMPAR_CHECK(std::isfinite(r.loss), "run ", r.name, " diverged at the rate its first seed trained at; see ",
                    c.out, "/runs/", r.name, ".log, or give --seeds 1");
-      sum += r.loss;
+      t.seeds.push_back(r.loss);
     }
-    t.run.loss = sum / c.seeds;
+    double sum = 0.0;
+    for (double l : t.seeds) sum += l;
+    t.run.loss = sum / static_cast<double>(t.seeds.size());
     if (c.seeds > 1) std::printf("  mean of %d seeds: val loss %.4f\n", c.seeds, t.run.loss);
     return t;
   };
@@ -540,9 +558,13 @@ int run_sweep(const SweepConfig& c) {
     std::printf("bigram loss of the validation tokens: %.4f nats; the fits take runs below %.4f\n", bigram, floor);
   std::vector<Run> fit, excluded;
   std::vector<std::pair<double, double>> fit_rates;  // (FLOPs, best rate) of the fit's sizes
+  std::vector<std::vector<double>> fit_seeds;        // their seeds' losses
   for (const Tuned& t : sizes) {
     (t.run.loss < floor ? fit : excluded).push_back(t.run);
-    if (t.run.loss < floor) fit_rates.emplace_back(t.run.flops, t.rate);
+    if (t.run.loss < floor) {
+      fit_rates.emplace_back(t.run.flops, t.rate);
+      fit_seeds.push_back(t.seeds);
+    }
   }
   LLMPAR_CHECK(fit.size() >= 4, "only ", fit.size(), " of the ", sizes.size(), " fit sizes reached a loss ",
                100.0 * kPlateauMargin, "% below the bigram loss ", bigram,
@@ -580,16 +602,17 @@ int run_sweep(const SweepConfig& c) {
       at_rate(held_shape, c.lr ? *c.lr : (trend ? trend->at(flops_of(held, held_shape.tokens, c)) : rate.at(held.dim)));
   plan::ScalingRun held_run = scaling_run(h);
   held_run.loss = 1.0;
-  plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all);
+  plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all, fit_seeds);
   const plan::Prediction p = before.predictions.front().power_law;
   std::printf("prediction for %s (%s params, %.2e FLOPs, %.1fx the largest fit run): val loss %.4f [%.4f, %.4f]\n",
               h.name.c_str(), size_name(h.params).c_str(), held_run.flops, held_run.flops / rule.back().flops, p.value,
               p.lo, p.hi);
+  print_seed_noise(before);
   // 4. The held-out run.
   sweep.train(h, ++index);
   plan::ScalingRun achieved = held_run;
   achieved.loss = h.loss;
-  plan::ScalingReport report = plan::make_report(rule, {achieved}, {}, all);
+  plan::ScalingReport report = plan::make_report(rule, {achieved}, {}, all, fit_seeds);
   report.lr_sweep = lr_sweep;
   report.rate_rule = chosen;
   report.rate_trend = trend;
@@ -616,6 +639,7 @@ int run_sweep(const SweepConfig& c) {
   if (hp.chinchilla)
     std::printf("  Chinchilla's prediction: %.4f [%.4f, %.4f] (%+.2f%%)\n", hp.chinchilla->value, hp.chinchilla->lo,
                 hp.chinchilla->hi, 100 * hp.chinchilla_relative_error());
+  print_seed_noise(report);
   const std::string json = (fs::path(c.out) / "scaling.json").string();
   std::ofstream(json) << plan::to_json(report).dump(2) << "\n";
   plan::write_csv((fs::path(c.out) / "runs.csv").string(), report);

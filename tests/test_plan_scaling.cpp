@@ -4,7 +4,8 @@
 // parameters of synthetic losses (exactly without noise, within stated tolerances with
 // 0.5% noise, the bootstrap interval covering the truth); the compute-optimal allocation
 // at hand-worked values; every refusal by its message; the bootstrap is a function of
-// its seed; the report survives JSON exactly and writes its CSV.
+// its seed; the seed bootstrap gives the fit back from equal seeds and a wider interval
+// from noisier ones; the report survives JSON exactly and writes its CSV.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -340,6 +341,134 @@ TEST_CASE("the bootstrap is a function of its seed, and its intervals hold the f
   CHECK(narrow.b.lo >= one.b.lo);
   CHECK(narrow.b.hi <= one.b.hi);
   CHECK(narrow.b.hi - narrow.b.lo < one.b.hi - one.b.lo);
+}
+
+namespace {
+
+// Each run of `runs` trained k times: k losses with a spread of `noise` (relative, from
+// the seed) whose mean is the run's loss.
+std::vector<std::vector<double>> seeds_of(std::vector<ScalingRun>& runs, int k, double noise, std::uint64_t seed) {
+  const rng::Stream z(seed);
+  std::vector<std::vector<double>> out;
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    std::vector<double> s;
+    double sum = 0.0;
+    for (int j = 0; j < k; ++j) {
+      s.push_back(runs[i].loss * std::exp(noise * z.normal(i * 16 + static_cast<std::uint64_t>(j))));
+      sum += s.back();
+    }
+    runs[i].loss = sum / k;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("seed bootstrap: equal seeds give the fit back, noisier seeds a wider interval around it") {
+  plan::BootstrapOptions options;
+  options.resamples = 60;
+  options.seed = 5;
+  {
+    std::vector<ScalingRun> runs = power_law_runs();
+    const std::vector<std::vector<double>> same = seeds_of(runs, 3, 0.0, 1);
+    const plan::PowerLawFit fit = plan::fit_power_law(runs);
+    const plan::PowerLawBootstrap boot = plan::seed_bootstrap_power_law(runs, same, fit, options);
+    CHECK(boot.samples.size() == 60u);  // every size kept: no resample is degenerate
+    const plan::Interval at = boot.predict(1e21);
+    CHECK(relative(at.lo, fit.predict(1e21)) < 1e-6);
+    CHECK(relative(at.hi, fit.predict(1e21)) < 1e-6);
+  }
+  // The same runs with 3 seeds each, spread 1% and 3%: the wider spread gives the
+  // wider interval, and both hold their fit's prediction.
+  double width[2] = {0.0, 0.0};
+  for (int n = 0; n < 2; ++n) {
+    std::vector<ScalingRun> runs = power_law_runs();
+    const std::vector<std::vector<double>> seeds = seeds_of(runs, 3, n == 0 ? 0.01 : 0.03, 9);
+    const plan::PowerLawFit fit = plan::fit_power_law(runs);
+    const plan::PowerLawBootstrap boot = plan::seed_bootstrap_power_law(runs, seeds, fit, options);
+    const plan::Interval at = boot.predict(1e21);
+    CHECK(at.lo <= fit.predict(1e21));
+    CHECK(fit.predict(1e21) <= at.hi);
+    width[n] = at.hi - at.lo;
+    // A function of its seed.
+    const plan::PowerLawBootstrap again = plan::seed_bootstrap_power_law(runs, seeds, fit, options);
+    REQUIRE(again.samples.size() == boot.samples.size());
+    for (std::size_t i = 0; i < boot.samples.size(); ++i) CHECK(again.samples[i].b == boot.samples[i].b);
+  }
+  CHECK(width[0] > 0.0);
+  CHECK(width[1] > 2.0 * width[0]);
+  // A run trained once has no noise to resample: with one seed everywhere, the fit back.
+  std::vector<ScalingRun> runs = power_law_runs(0.01);
+  const std::vector<std::vector<double>> once = seeds_of(runs, 1, 0.0, 1);
+  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  const plan::Interval at = plan::seed_bootstrap_power_law(runs, once, fit, options).predict(1e20);
+  CHECK(relative(at.hi, at.lo) < 1e-6);
+}
+
+TEST_CASE("seed bootstrap refuses seed losses that do not belong to the runs") {
+  std::vector<ScalingRun> runs = power_law_runs();
+  std::vector<std::vector<double>> seeds = seeds_of(runs, 2, 0.01, 3);
+  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  std::vector<std::vector<double>> bad(seeds.begin(), seeds.end() - 1);
+  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+                       doctest::Contains("seed losses: 5 lists for 6 runs; give one list per run"), Error);
+  bad = seeds;
+  bad[2].clear();
+  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+                       doctest::Contains("seed losses: run run2 has none"), Error);
+  bad = seeds;
+  bad[1][0] = -1.0;
+  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+                       doctest::Contains("run run1 has a seed loss -1; every seed's loss must be positive"), Error);
+  bad = seeds;
+  bad[4][1] *= 1.01;
+  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+                       doctest::Contains("but the mean of its 2 seeds' losses is"), Error);
+  CHECK_THROWS_WITH_AS(plan::make_report(runs, {}, {}, {}, bad), doctest::Contains("run run4 has loss"), Error);
+}
+
+TEST_CASE("the report with the fit runs' seeds: the seed interval of each prediction, and exact JSON") {
+  std::vector<ScalingRun> runs = power_law_runs();
+  const std::vector<std::vector<double>> seeds = seeds_of(runs, 3, 0.01, 21);
+  const ScalingRun held{"held", 1.0, 1.0, 1e21, power_law(1e21)};
+  plan::ReportOptions options;
+  options.bootstrap.resamples = 40;
+  options.band_points = 4;
+  const plan::ScalingReport report = plan::make_report(runs, {held}, options, {}, seeds);
+  REQUIRE(report.seed_bootstrap.has_value());
+  CHECK(report.seed_bootstrap->samples.size() == 40u);
+  REQUIRE(report.predictions.front().seed_noise.has_value());
+  const plan::Interval noise = *report.predictions.front().seed_noise;
+  CHECK(noise.lo == report.seed_bootstrap->predict(1e21).lo);
+  CHECK(noise.lo <= report.predictions.front().power_law.value);
+  CHECK(report.predictions.front().power_law.value <= noise.hi);
+
+  const nlohmann::json j = plan::to_json(report);
+  CHECK(plan::to_json(plan::from_json(nlohmann::json::parse(j.dump()))) == j);
+  const plan::ScalingReport back = plan::from_json(nlohmann::json::parse(j.dump()));
+  CHECK(back.fit_seed_losses == report.fit_seed_losses);
+  REQUIRE(back.predictions.front().seed_noise.has_value());
+  CHECK(back.predictions.front().seed_noise->hi == noise.hi);
+  CHECK(back.seed_bootstrap->predict(3e20).hi == report.seed_bootstrap->predict(3e20).hi);
+
+  // Without seeds, or from a report written before them: none, and null in the JSON.
+  const nlohmann::json plain = plan::to_json(plan::make_report(runs, {held}, options));
+  CHECK(plain.at("power_law").at("seed_bootstrap").is_null());
+  CHECK(plain.at("held_out_predictions").at(0).at("seed_noise").is_null());
+  nlohmann::json old = j;
+  old.erase("fit_seed_losses");
+  old["power_law"].erase("seed_bootstrap");
+  old["held_out_predictions"][0].erase("seed_noise");
+  CHECK_FALSE(plan::from_json(old).seed_bootstrap.has_value());
+  CHECK_FALSE(plan::from_json(old).predictions.front().seed_noise.has_value());
+  nlohmann::json broken = j;
+  broken["fit_seed_losses"][3][0] = 9.0;
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("seed losses: run run3 has loss"), Error);
+  broken = j;
+  broken["fit_seed_losses"][0] = 2.0;
+  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("fit_seed_losses[0] must be an array of losses"),
+                       Error);
 }
 
 TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, predictions, band, exact JSON") {

@@ -146,7 +146,10 @@ def read_report(path):
         predictions.append({"name": str(field(p, "name", where)), "flops": positive(p, "flops", where),
                             "achieved": number(p, "achieved", where), "predicted": number(p, "predicted", where),
                             "lo": number(p, "lo", where), "hi": number(p, "hi", where),
-                            "relative_error": number(p, "relative_error", where)})
+                            "relative_error": number(p, "relative_error", where),
+                            # reports from before the seed bootstrap have no seed_noise
+                            "seed_noise": (interval(p, "seed_noise", where)
+                                           if p.get("seed_noise") is not None else None)})
     out["predictions"] = predictions
     ch = field(report, "chinchilla", "the report")
     out["chinchilla"] = None
@@ -238,6 +241,11 @@ def plot_compute(ax, r):
         ax.errorbar([p["flops"]], [p["predicted"]], yerr=[[p["predicted"] - p["lo"]], [p["hi"] - p["predicted"]]],
                     fmt="D", markersize=6, color=pred_color, capsize=5, elinewidth=1.5, zorder=5,
                     label=f"prediction, {conf:.0%} interval" if i == 0 else None)
+        if p["seed_noise"]:
+            lo, hi = p["seed_noise"]
+            ax.errorbar([p["flops"]], [p["predicted"]], yerr=[[p["predicted"] - lo], [hi - p["predicted"]]],
+                        fmt="none", color=pred_color, capsize=0, elinewidth=5, alpha=0.45, zorder=4,
+                        label=f"from the fit runs' seeds alone, {conf:.0%}" if i == 0 else None)
         ax.plot([p["flops"]], [p["achieved"]], linestyle="none", marker="*", markersize=15, color=held_color,
                 markeredgecolor="black", markeredgewidth=0.6, zorder=6, label="held-out run" if i == 0 else None)
         ax.annotate(f"{p['name']}: {p['relative_error']:+.2%}", (p["flops"], p["achieved"]), xytext=(8, -12),
@@ -268,6 +276,8 @@ def plot_compute(ax, r):
     for p in r["predictions"]:
         lines.append(f"{p['name']}: predicted {p['predicted']:.4f} [{p['lo']:.4f}, {p['hi']:.4f}], "
                      f"achieved {p['achieved']:.4f} ({p['relative_error']:+.2%})")
+        if p["seed_noise"]:
+            lines.append(f"  from the seeds alone: [{p['seed_noise'][0]:.4f}, {p['seed_noise'][1]:.4f}]")
     if r["chinchilla"]:
         ch = r["chinchilla"]
         lines.append("E + A/N^\u03b1 + B/D^\u03b2:")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/plot_scaling.py draws a scaling report, and rejects a broken one by name:
 #   - a synthetic report (6 fit runs on L(C) = 200 C^-0.12 + 1.7, 2 runs for Chinchilla
-#     only, a band, one held-out run with its prediction, a Chinchilla fit, and an SP/muP
+#     only, a band, one held-out run with its prediction and seed interval, a Chinchilla fit, and an SP/muP
 #     learning-rate sweep with a diverged run) becomes a PNG of more than 20 KB at the default path, and the reader
 #     finds its runs, prediction and sweep;
 #   - the same report without a Chinchilla fit, held-out runs, extra runs or a sweep plots
@@ -68,7 +68,8 @@ report = {"format": "llmpar-scaling-report", "version": 1, "fit_runs": fit, "hel
           "held_out_predictions": [{"name": held["name"], "flops": 1e21, "params": held["params"],
                                     "tokens": held["tokens"], "achieved": held["loss"], "predicted": pred,
                                     "lo": pred * 0.95, "hi": pred * 1.05,
-                                    "relative_error": (pred - held["loss"]) / held["loss"], "chinchilla": None}],
+                                    "relative_error": (pred - held["loss"]) / held["loss"], "chinchilla": None,
+                                    "seed_noise": interval(pred * 0.98, pred * 1.02)}],
           "lr_sweep": sweep}
 json.dump(report, open(f"{work}/report.json", "w"), indent=1)
 plain = dict(report, chinchilla=None, held_out=[], chinchilla_only_runs=[], held_out_predictions=[], lr_sweep=[],
@@ -94,6 +95,8 @@ assert len(r["fit_runs"]) == 6 and len(r["held_out"]) == 1 and len(r["chinchilla
 assert len(r["band"]) == 32 and r["band"] == sorted(r["band"])
 assert r["power_law"]["intervals"]["b"] == (-0.14, -0.10)
 assert len(r["predictions"]) == 1 and r["predictions"][0]["lo"] < r["predictions"][0]["hi"]
+lo, hi = r["predictions"][0]["seed_noise"]
+assert r["predictions"][0]["lo"] < lo < r["predictions"][0]["predicted"] < hi < r["predictions"][0]["hi"]
 assert r["chinchilla"]["alpha"] == (0.34, (0.30, 0.38))
 assert len(r["lr_sweep"]) == 42 and sum(not math.isfinite(s[3]) for s in r["lr_sweep"]) == 1
 assert plot_scaling.count(124e6) == "124M" and plot_scaling.count(1.5e9) == "1.5B"
@@ -132,5 +135,11 @@ broken bad_interval.json 'del r["held_out_predictions"][0]["hi"]'
 expect_error "$work/bad_interval.json" 'held_out_predictions\[0\] has no field "hi"'
 broken bad_sweep.json 'r["lr_sweep"][3]["parametrization"] = "ntk"'
 expect_error "$work/bad_sweep.json" 'lr_sweep\[3\].parametrization is "ntk"'
+broken bad_seed_noise.json 'del r["held_out_predictions"][0]["seed_noise"]["lo"]'
+expect_error "$work/bad_seed_noise.json" 'held_out_predictions\[0\].seed_noise has no field "lo"'
+# A report from before the seed bootstrap has no seed_noise, and plots.
+broken old.json 'del r["held_out_predictions"][0]["seed_noise"]'
+"$python" "$script" "$work/old.json" --out "$work/old.png" >/dev/null || fail "a report without seed_noise did not plot"
+is_png "$work/old.png" || fail "$work/old.png is not a PNG"
 
 echo "test_plot_scaling: ok ($out, $size bytes; plain report and broken reports)"

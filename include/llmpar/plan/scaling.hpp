@@ -782,6 +782,53 @@ inline ChinchillaFit fit_chinchilla(std::span<const ScalingRun> runs, const Chin
   return *fit;
 }
 
+namespace detail {
+
+// Every run has a list of its seeds' losses, positive, whose mean is the run's loss.
+inline void check_seed_losses(std::span<const ScalingRun> runs, std::span<const std::vector<double>> seed_losses) {
+  LLMPAR_CHECK(seed_losses.size() == runs.size(), "seed losses: ", seed_losses.size(), " lists for ", runs.size(),
+               " runs; give one list per run (a run trained once has a list of one)");
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const std::vector<double>& s = seed_losses[i];
+    LLMPAR_CHECK(!s.empty(), "seed losses: run ", runs[i].name, " has none; give at least its own loss");
+    double sum = 0.0;
+    for (double l : s) {
+      LLMPAR_CHECK(std::isfinite(l) && l > 0.0, "seed losses: run ", runs[i].name, " has a seed loss ", l,
+                   "; every seed's loss must be positive and finite");
+      sum += l;
+    }
+    const double mean = sum / static_cast<double>(s.size());
+    LLMPAR_CHECK(std::abs(mean - runs[i].loss) <= 1e-9 * runs[i].loss, "seed losses: run ", runs[i].name, " has loss ",
+                 runs[i].loss, " but the mean of its ", s.size(), " seeds' losses is ", mean,
+                 "; a run's loss must be the mean of its seeds'");
+  }
+}
+
+// One resample's fit, started also from the full-data optimum in the resample's
+// coordinates (c below its lowest loss); a resample with no falling fit is degenerate.
+inline void add_resample(PowerLawBootstrap& out, const PowerLawData& d, const PowerLawFit& full,
+                         const PowerLawOptions& fit_options) {
+  const double fraction = std::clamp(full.c / d.lowest, 1e-12, 1.0 - 1e-12);
+  const Vec<3> from_full = {std::log(full.a) + full.b * d.mean_log_flops, full.b, logit(fraction)};
+  const std::optional<PowerLawFit> fit = fit_power_law(d, fit_options, {from_full});
+  if (fit)
+    out.samples.push_back(*fit);
+  else
+    ++out.degenerate;
+}
+
+// The parameters' intervals, or an error when too few resamples could be fitted.
+inline void finish(PowerLawBootstrap& out, std::string_view fit) {
+  const std::string why = unusable(fit, out.options, out.samples.size(), out.degenerate);
+  LLMPAR_CHECK(why.empty(), why);
+  const double conf = out.options.confidence;
+  out.a = interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.a; });
+  out.b = interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.b; });
+  out.c = interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.c; });
+}
+
+}  // namespace detail
+
 // Percentile intervals of the power law from `options.resamples` resamples of runs;
 // `full` is fit_power_law(runs, fit_options).
 inline PowerLawBootstrap bootstrap_power_law(std::span<const ScalingRun> runs, const PowerLawFit& full,
@@ -799,24 +846,50 @@ inline PowerLawBootstrap bootstrap_power_law(std::span<const ScalingRun> runs, c
       ++out.degenerate;
       continue;
     }
-    const detail::PowerLawData d = detail::power_law_data(runs, std::move(weight), fit_options.huber_delta);
-    // The full-data optimum in this resample's coordinates (c < its lowest loss: the
-    // resample's lowest is at least the full data's).
-    const double fraction = std::clamp(full.c / d.lowest, 1e-12, 1.0 - 1e-12);
-    const detail::Vec<3> from_full = {std::log(full.a) + full.b * d.mean_log_flops, full.b, detail::logit(fraction)};
-    const std::optional<PowerLawFit> fit = detail::fit_power_law(d, fit_options, {from_full});
-    if (!fit) {
-      ++out.degenerate;
-      continue;
-    }
-    out.samples.push_back(*fit);
+    detail::add_resample(out, detail::power_law_data(runs, std::move(weight), fit_options.huber_delta), full,
+                         fit_options);
   }
-  const std::string unusable = detail::unusable("power-law", options, out.samples.size(), out.degenerate);
-  LLMPAR_CHECK(unusable.empty(), unusable);
-  const double conf = options.confidence;
-  out.a = detail::interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.a; });
-  out.b = detail::interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.b; });
-  out.c = detail::interval_of(out.samples, conf, [](const PowerLawFit& f) { return f.c; });
+  detail::finish(out, "power-law");
+  return out;
+}
+
+// The training noise of the power law: each resample keeps every size and redraws the
+// size's loss as the mean of as many of its seeds' losses, drawn with replacement, as it
+// has. Where bootstrap_power_law asks how much the fit depends on which sizes were
+// trained, this asks how much it depends on the seeds they were trained with: the part
+// of a prediction's error that more seeds per size, not more sizes, would shrink.
+// seed_losses[i] holds run i's seeds (runs[i].loss their mean); `full` is
+// fit_power_law(runs, fit_options).
+inline PowerLawBootstrap seed_bootstrap_power_law(std::span<const ScalingRun> runs,
+                                                  std::span<const std::vector<double>> seed_losses,
+                                                  const PowerLawFit& full, const BootstrapOptions& options = {},
+                                                  const PowerLawOptions& fit_options = {}) {
+  options.validate();
+  fit_options.validate();
+  detail::check_positive(runs, "seed bootstrap", {{"flops", &ScalingRun::flops}, {"loss", &ScalingRun::loss}});
+  detail::check_seed_losses(runs, seed_losses);
+  PowerLawBootstrap out;
+  out.options = options;
+  const rng::Stream stream = rng::Stream::named(options.seed, "plan.scaling.bootstrap.seeds");
+  std::size_t draws = 0;
+  for (const std::vector<double>& s : seed_losses) draws += s.size();
+  std::vector<ScalingRun> resample(runs.begin(), runs.end());
+  for (int r = 0; r < options.resamples; ++r) {
+    std::uint64_t at = static_cast<std::uint64_t>(r) * draws;
+    for (std::size_t i = 0; i < runs.size(); ++i) {
+      const std::vector<double>& s = seed_losses[i];
+      double sum = 0.0;
+      for (std::size_t k = 0; k < s.size(); ++k) {
+        const std::uint32_t bits = stream.bits(at++)[0];
+        sum += s[static_cast<std::size_t>((static_cast<std::uint64_t>(bits) * s.size()) >> 32)];
+      }
+      resample[i].loss = sum / static_cast<double>(s.size());
+    }
+    detail::add_resample(
+        out, detail::power_law_data(resample, std::vector<double>(runs.size(), 1.0), fit_options.huber_delta), full,
+        fit_options);
+  }
+  detail::finish(out, "seed");
   return out;
 }
 
@@ -1103,6 +1176,7 @@ struct HeldOutPrediction {
   double achieved = 0.0;                 // the run's loss
   Prediction power_law;                  // at its flops
   std::optional<Prediction> chinchilla;  // at its (params, tokens), when fitted
+  std::optional<Interval> seed_noise;    // the power law's interval from the seeds alone, when they were given
 
   // (predicted − achieved) / achieved.
   double relative_error() const { return (power_law.value - achieved) / achieved; }
@@ -1119,6 +1193,10 @@ struct ScalingReport {
   std::vector<ScalingRun> excluded_runs;
   std::string excluded_why;
   PowerLawResult power_law;
+  // Each fit run's seeds' losses (fit_runs[i].loss their mean), when they were given, and
+  // the power law's seed bootstrap (seed_bootstrap_power_law) where some run has two or more.
+  std::vector<std::vector<double>> fit_seed_losses;
+  std::optional<PowerLawBootstrap> seed_bootstrap;
   std::optional<ChinchillaResult> chinchilla;
   std::string chinchilla_note;                 // why there is no Chinchilla fit ("" when there is)
   std::vector<BandPoint> band;                 // increasing flops
@@ -1148,9 +1226,11 @@ struct ReportOptions {
 // The power law fitted to fit_runs and Chinchilla to fit_runs and chinchilla_only_runs,
 // their bootstraps, the band, and the predictions of the held-out runs. Chinchilla is
 // attempted when the runs can identify it; otherwise, or when its fit or bootstrap is
-// refused, chinchilla_note says why and the report has none.
+// refused, chinchilla_note says why and the report has none. With fit_seed_losses (one
+// list per fit run), the power law's seed bootstrap too.
 inline ScalingReport make_report(std::vector<ScalingRun> fit_runs, std::vector<ScalingRun> held_out,
-                                 const ReportOptions& options = {}, std::vector<ScalingRun> chinchilla_only_runs = {}) {
+                                 const ReportOptions& options = {}, std::vector<ScalingRun> chinchilla_only_runs = {},
+                                 std::vector<std::vector<double>> fit_seed_losses = {}) {
   options.validate();
   detail::check_positive(held_out, "held-out run", {{"flops", &ScalingRun::flops}, {"loss", &ScalingRun::loss}});
   detail::check_positive(
@@ -1166,6 +1246,13 @@ inline ScalingReport make_report(std::vector<ScalingRun> fit_runs, std::vector<S
 
   report.power_law.fit = fit_power_law(runs, options.power_law);
   report.power_law.bootstrap = bootstrap_power_law(runs, report.power_law.fit, options.bootstrap, options.power_law);
+  report.fit_seed_losses = std::move(fit_seed_losses);
+  const bool seeded = std::any_of(report.fit_seed_losses.begin(), report.fit_seed_losses.end(),
+                                  [](const std::vector<double>& s) { return s.size() >= 2; });
+  if (!report.fit_seed_losses.empty()) detail::check_seed_losses(runs, report.fit_seed_losses);
+  if (seeded)
+    report.seed_bootstrap = seed_bootstrap_power_law(runs, report.fit_seed_losses, report.power_law.fit,
+                                                     options.bootstrap, options.power_law);
 
   bool positive = true;
   for (const auto* set : {&chinchilla_runs, &report.held_out})
@@ -1211,6 +1298,7 @@ inline ScalingReport make_report(std::vector<ScalingRun> fit_runs, std::vector<S
     p.achieved = r.loss;
     const Interval i = report.power_law.bootstrap.predict(r.flops);
     p.power_law = {report.power_law.fit.predict(r.flops), i.lo, i.hi};
+    if (report.seed_bootstrap) p.seed_noise = report.seed_bootstrap->predict(r.flops);
     if (report.chinchilla) {
       const Interval c = report.chinchilla->bootstrap.predict(r.params, r.tokens);
       p.chinchilla = Prediction{report.chinchilla->fit.predict(r.params, r.tokens), c.lo, c.hi};
@@ -1295,6 +1383,33 @@ inline BootstrapOptions bootstrap_options_from(const json& j, const std::string&
   return o;
 }
 
+inline json power_law_bootstrap_json(const PowerLawBootstrap& b) {
+  json out = bootstrap_json(b.options, b.degenerate, b.samples.size());
+  out["a"] = interval_json(b.a);
+  out["b"] = interval_json(b.b);
+  out["c"] = interval_json(b.c);
+  json samples = json::array();
+  for (const PowerLawFit& f : b.samples) samples.push_back({f.a, f.b, f.c, f.objective});
+  out["samples"] = std::move(samples);
+  return out;
+}
+inline PowerLawBootstrap power_law_bootstrap_from(const json& b, const std::string& where, double huber_delta) {
+  only_keys(b, where, {"resamples", "confidence", "seed", "used", "degenerate", "a", "b", "c", "samples"});
+  PowerLawBootstrap boot;
+  boot.options = bootstrap_options_from(b, where, boot.degenerate);
+  boot.a = interval_from(b, where, "a");
+  boot.b = interval_from(b, where, "b");
+  boot.c = interval_from(b, where, "c");
+  const json& samples = array(b, where, "samples");
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const std::vector<double> v = numbers(samples[i], ::llmpar::detail::concat(where, ".samples[", i, "]"), 4);
+    boot.samples.push_back({v[0], v[1], v[2], v[3], huber_delta});
+  }
+  LLMPAR_CHECK(number(b, where, "used") == static_cast<double>(boot.samples.size()), "scaling report: ", where,
+               ".used is ", b.at("used").dump(), " but there are ", boot.samples.size(), " samples");
+  return boot;
+}
+
 }  // namespace detail
 
 inline nlohmann::json to_json(const ScalingRun& r) {
@@ -1316,18 +1431,13 @@ inline nlohmann::json to_json(const ScalingReport& report) {
     return a;
   };
   const PowerLawFit& pl = report.power_law.fit;
-  const PowerLawBootstrap& plb = report.power_law.bootstrap;
-  json pl_boot = detail::bootstrap_json(plb.options, plb.degenerate, plb.samples.size());
-  pl_boot["a"] = detail::interval_json(plb.a);
-  pl_boot["b"] = detail::interval_json(plb.b);
-  pl_boot["c"] = detail::interval_json(plb.c);
-  json samples = json::array();
-  for (const PowerLawFit& f : plb.samples) samples.push_back({f.a, f.b, f.c, f.objective});
-  pl_boot["samples"] = std::move(samples);
+  json seed_losses = json::array();
+  for (const std::vector<double>& s : report.fit_seed_losses) seed_losses.push_back(s);
 
   json out = {{"format", kReportFormat},
               {"version", kReportVersion},
               {"fit_runs", runs(report.fit_runs)},
+              {"fit_seed_losses", std::move(seed_losses)},
               {"held_out", runs(report.held_out)},
               {"chinchilla_only_runs", runs(report.chinchilla_only_runs)},
               {"excluded_runs", runs(report.excluded_runs)},
@@ -1338,7 +1448,9 @@ inline nlohmann::json to_json(const ScalingReport& report) {
                 {"c", pl.c},
                 {"objective", pl.objective},
                 {"huber_delta", pl.huber_delta},
-                {"bootstrap", std::move(pl_boot)}}},
+                {"bootstrap", detail::power_law_bootstrap_json(report.power_law.bootstrap)},
+                {"seed_bootstrap",
+                 report.seed_bootstrap ? detail::power_law_bootstrap_json(*report.seed_bootstrap) : json(nullptr)}}},
               {"chinchilla", nullptr},
               {"chinchilla_note", report.chinchilla_note}};
   if (report.chinchilla) {
@@ -1376,6 +1488,7 @@ inline nlohmann::json to_json(const ScalingReport& report) {
     j["tokens"] = p.tokens;
     j["achieved"] = p.achieved;
     j["chinchilla"] = p.chinchilla ? detail::prediction_json(*p.chinchilla, p.achieved) : json(nullptr);
+    j["seed_noise"] = p.seed_noise ? detail::interval_json(*p.seed_noise) : json(nullptr);
     predictions.push_back(std::move(j));
   }
   out["held_out_predictions"] = std::move(predictions);
@@ -1413,9 +1526,9 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   using detail::number;
   using nlohmann::json;
   detail::only_keys(j, "the report",
-                    {"format", "version", "fit_runs", "held_out", "chinchilla_only_runs", "excluded_runs",
-                     "excluded_why", "power_law", "chinchilla", "chinchilla_note", "band", "held_out_predictions",
-                     "lr_sweep", "rate_rule", "rate_trend"});
+                    {"format", "version", "fit_runs", "fit_seed_losses", "held_out", "chinchilla_only_runs",
+                     "excluded_runs", "excluded_why", "power_law", "chinchilla", "chinchilla_note", "band",
+                     "held_out_predictions", "lr_sweep", "rate_rule", "rate_trend"});
   const json& format = detail::member(j, "the report", "format");
   LLMPAR_CHECK(format == kReportFormat, "scaling report: format is ", format.dump(), ", expected \"", kReportFormat,
                "\" (is this a file llmpar-scaling wrote?)");
@@ -1438,25 +1551,24 @@ inline ScalingReport from_json(const nlohmann::json& j) {
 
   {
     const json& pl = detail::member(j, "the report", "power_law");
-    detail::only_keys(pl, "power_law", {"a", "b", "c", "objective", "huber_delta", "bootstrap"});
+    detail::only_keys(pl, "power_law", {"a", "b", "c", "objective", "huber_delta", "bootstrap", "seed_bootstrap"});
     PowerLawFit& f = report.power_law.fit;
     f = {number(pl, "power_law", "a"), number(pl, "power_law", "b"), number(pl, "power_law", "c"),
          number(pl, "power_law", "objective"), number(pl, "power_law", "huber_delta")};
-    const json& b = detail::member(pl, "power_law", "bootstrap");
-    const std::string where = "power_law.bootstrap";
-    detail::only_keys(b, where, {"resamples", "confidence", "seed", "used", "degenerate", "a", "b", "c", "samples"});
-    PowerLawBootstrap& boot = report.power_law.bootstrap;
-    boot.options = detail::bootstrap_options_from(b, where, boot.degenerate);
-    boot.a = interval_from(b, where, "a");
-    boot.b = interval_from(b, where, "b");
-    boot.c = interval_from(b, where, "c");
-    const json& samples = array(b, where, "samples");
-    for (std::size_t i = 0; i < samples.size(); ++i) {
-      const std::vector<double> v = detail::numbers(samples[i], llmpar::detail::concat(where, ".samples[", i, "]"), 4);
-      boot.samples.push_back({v[0], v[1], v[2], v[3], f.huber_delta});
+    report.power_law.bootstrap = detail::power_law_bootstrap_from(detail::member(pl, "power_law", "bootstrap"),
+                                                                  "power_law.bootstrap", f.huber_delta);
+    if (pl.contains("seed_bootstrap") && !pl.at("seed_bootstrap").is_null())  // reports from before it have none
+      report.seed_bootstrap =
+          detail::power_law_bootstrap_from(pl.at("seed_bootstrap"), "power_law.seed_bootstrap", f.huber_delta);
+  }
+  if (j.contains("fit_seed_losses")) {
+    const json& a = array(j, "the report", "fit_seed_losses");
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const std::string where = llmpar::detail::concat("fit_seed_losses[", i, "]");
+      LLMPAR_CHECK(a[i].is_array(), "scaling report: ", where, " must be an array of losses, is ", a[i].dump());
+      report.fit_seed_losses.push_back(detail::numbers(a[i], where, a[i].size()));
     }
-    LLMPAR_CHECK(number(b, where, "used") == static_cast<double>(boot.samples.size()), "scaling report: ", where,
-                 ".used is ", b.at("used").dump(), " but there are ", boot.samples.size(), " samples");
+    if (!report.fit_seed_losses.empty()) detail::check_seed_losses(report.fit_runs, report.fit_seed_losses);
   }
 
   const json& ch = detail::member(j, "the report", "chinchilla");
@@ -1502,9 +1614,9 @@ inline ScalingReport from_json(const nlohmann::json& j) {
   for (std::size_t i = 0; i < predictions.size(); ++i) {
     const json& p = predictions[i];
     const std::string where = llmpar::detail::concat("held_out_predictions[", i, "]");
-    detail::only_keys(
-        p, where,
-        {"name", "flops", "params", "tokens", "achieved", "predicted", "lo", "hi", "relative_error", "chinchilla"});
+    detail::only_keys(p, where,
+                      {"name", "flops", "params", "tokens", "achieved", "predicted", "lo", "hi", "relative_error",
+                       "chinchilla", "seed_noise"});
     HeldOutPrediction h;
     h.name = detail::text(p, where, "name");
     h.flops = number(p, where, "flops");
@@ -1520,6 +1632,7 @@ inline ScalingReport from_json(const nlohmann::json& j) {
       h.chinchilla = Prediction{number(c, at, "predicted"), number(c, at, "lo"), number(c, at, "hi")};
       number(c, at, "relative_error");
     }
+    if (p.contains("seed_noise") && !p.at("seed_noise").is_null()) h.seed_noise = interval_from(p, where, "seed_noise");
     report.predictions.push_back(std::move(h));
   }
 
