@@ -1249,12 +1249,12 @@ inline ScalingReport make_report(std::vector<ScalingRun> fit_runs, std::vector<S
   report.power_law.fit = fit_power_law(runs, options.power_law);
   report.power_law.bootstrap = bootstrap_power_law(runs, report.power_law.fit, options.bootstrap, options.power_law);
   report.fit_seed_losses = std::move(fit_seed_losses);
-  const bool seeded = std::any_of(report.fit_seed_losses.begin(), report.fit_seed_losses.end(),
-                                  [](const std::vector<double>& s) { return s.size() >= 2; });
-  if (!report.fit_seed_losses.empty()) detail::check_seed_losses(runs, report.fit_seed_losses);
-  if (seeded)
+  if (std::any_of(report.fit_seed_losses.begin(), report.fit_seed_losses.end(),
+                  [](const std::vector<double>& s) { return s.size() >= 2; }))
     report.seed_bootstrap = seed_bootstrap_power_law(runs, report.fit_seed_losses, report.power_law.fit,
-                                                     options.bootstrap, options.power_law);
+                                                     options.bootstrap, options.power_law);  // checks the lists
+  else if (!report.fit_seed_losses.empty())
+    detail::check_seed_losses(runs, report.fit_seed_losses);
 
   bool positive = true;
   for (const auto* set : {&chinchilla_runs, &report.held_out})
