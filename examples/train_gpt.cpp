@@ -134,7 +134,9 @@ int main(int argc, char** argv) {
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--grad-clip", o.grad_clip, "Max global gradient norm (0: off)")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of initialisation, data order and sampling")->capture_default_str();
-  app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "Visit training windows in a seeded random order (default on)");
+  app.add_flag("--shuffle,!--no-shuffle", o.shuffle,
+               "Visit the training sequences in a seeded random order, new every epoch and the same at every layout "
+               "(default on)");
   app.add_option("--eval-every", o.eval_every, "Validate every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", o.eval_batches, "Batches per validation")->capture_default_str();
   app.add_option("--precision", o.precision,

@@ -405,6 +405,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   train_lc.seed = o.seed;
   train_lc.rank = grid.dp().rank();
   train_lc.world = grid.dp().size();
+  train_lc.global_batch = o.batch * grid.dp().size() * accumulation_steps(o, world.size());
   data::LoaderConfig val_lc = lc;
   val_lc.rank = grid.dp().rank();
   val_lc.world = grid.dp().size();

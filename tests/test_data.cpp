@@ -276,7 +276,7 @@ TEST_CASE("DataLoader wraps to the start after the last full batch and counts ep
   CHECK(loader.next().inputs[0] == 0);
 }
 
-TEST_CASE("a batch never spans two shards") {
+TEST_CASE("a sequence never spans two shards, and a global batch runs on into the next shard") {
   TempDir dir;
   std::vector<std::uint16_t> a(20), b(14);
   std::iota(a.begin(), a.end(), 0);
@@ -284,15 +284,28 @@ TEST_CASE("a batch never spans two shards") {
   write_shard(dir / "s_train_0.bin", a);
   write_shard(dir / "s_train_1.bin", b);
   const auto ds = TokenDataset::from_shards((dir / "s_train_*.bin").string(), 256);
+  // T = 3: shard 0 holds (20 - 1) / 3 = 6 sequences (0, 3, ... 15), shard 1 holds 4
+  // (100, 103, 106, 109); 10 in all.
   DataLoader loader(ds, {.batch_size = 2, .seq_len = 3});
-  CHECK(loader.batches_per_epoch() == 3 + 2);
-  const std::vector<int> starts{0, 6, 12, 100, 106, 0};  // shard 0 ends at 18 + 7 > 20
+  CHECK(loader.batches_per_epoch() == 5);
+  const std::vector<int> starts{0, 6, 12, 100, 106, 0};
   for (std::size_t i = 0; i < starts.size(); ++i) {
     const Batch batch = loader.next();
     CHECK(batch.inputs[0] == starts[i]);
+    CHECK(batch.inputs[3] == starts[i] + 3);
     CHECK(batch.targets[5] == starts[i] + 6);
   }
   CHECK(loader.epoch() == 1);
+  // Global batches of 4 as one rank's 4 rows: 2 per epoch, the second across the shards.
+  DataLoader four(ds, {.batch_size = 4, .seq_len = 3});
+  CHECK(four.batches_per_epoch() == 2);
+  four.next();
+  const auto rows = to_vector(four.next().inputs);
+  CHECK(rows[0] == 12);
+  CHECK(rows[3] == 15);
+  CHECK(rows[6] == 100);
+  CHECK(rows[9] == 103);
+  CHECK(four.epoch() == 1);
 }
 
 TEST_CASE("rank r of w reads the r-th of w consecutive chunks; together they read what one rank reads") {
@@ -322,18 +335,22 @@ TEST_CASE("rank r of w reads the r-th of w consecutive chunks; together they rea
   CHECK(ranks[1].epoch() == serial.epoch());
 }
 
-TEST_CASE("DataLoader rejects a shard too small for one batch and bad configs") {
+TEST_CASE("DataLoader rejects data too small for one global batch and bad configs") {
   const auto ds = TokenDataset::from_tokens(iota_tokens(24), 256, "tiny");
   const std::string e = error_of([&] { DataLoader l(ds, {.batch_size = 2, .seq_len = 4, .rank = 0, .world = 3}); });
-  CHECK(
-      e.find("'tiny' has 24 tokens, too few for one batch: batch size B=2 x sequence length T=4 x world 3 + 1 = 25") !=
-      std::string::npos);
+  CHECK(e.find("the dataset holds 5 sequences of T=4 tokens (plus the one after), too few for one global batch of 6 "
+               "sequences (batch size B=2 x world 3 x 1 micro-batches)") != std::string::npos);
+  CHECK(e.find("25 tokens are needed") != std::string::npos);
   CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 23, .seq_len = 1}); }) == "<no error>");
   CHECK(error_of([&] { DataLoader l(ds, {.batch_size = 0, .seq_len = 4}); }).find("LoaderConfig.batch_size is 0") !=
         std::string::npos);
   CHECK(error_of([&] {
           DataLoader l(ds, {.batch_size = 1, .seq_len = 2, .rank = 2, .world = 2});
         }).find("LoaderConfig.rank is 2; it must be in [0, world) = [0, 2)") != std::string::npos);
+  CHECK(error_of([&] {
+          DataLoader l(ds, {.batch_size = 2, .seq_len = 2, .world = 2, .global_batch = 6});
+        }).find("LoaderConfig.global_batch is 6 sequences, not a multiple of batch_size 2 x world 2 = 4") !=
+        std::string::npos);
 }
 
 TEST_CASE("a restored loader state resumes exactly where it was saved") {
@@ -341,49 +358,78 @@ TEST_CASE("a restored loader state resumes exactly where it was saved") {
   DataLoader a(ds, {.batch_size = 2, .seq_len = 3});
   for (int i = 0; i < 20; ++i) a.next();
   const LoaderState saved = a.state();
-  CHECK(saved.epoch == 1);
+  CHECK(saved == LoaderState{.epoch = 1, .consumed = 8, .seq_len = 3});
   DataLoader b(ds, {.batch_size = 2, .seq_len = 3});
   b.restore(saved);
   CHECK(b.state() == saved);
   CHECK(to_vector(b.next().inputs) == to_vector(a.next().inputs));
-  CHECK(error_of([&] { b.restore({.shard = 0, .window = 16, .epoch = 0}); }).find("window 16") != std::string::npos);
-  CHECK(error_of([&] { b.restore({.shard = 1, .window = 0, .epoch = 0}); }).find("names shard 1") != std::string::npos);
-  // In order, a state of other windows resumes at the same token when it starts a window
-  // here: window 3 of 12 tokens is token 36, window 6 of 6.
-  b.restore({.shard = 0, .window = 3, .epoch = 1, .window_tokens = 12});
-  CHECK(b.state() == LoaderState{.shard = 0, .window = 6, .epoch = 1, .window_tokens = 6});
-  CHECK(to_vector(b.next().inputs)[0] == 36);
-  CHECK(error_of([&] {
-          b.restore({.shard = 0, .window = 1, .epoch = 0, .window_tokens = 9});
-        }).find("saved with windows of 9 tokens (world*B*T) but this loader reads 6") != std::string::npos);
-  DataLoader shuffled(ds, {.batch_size = 2, .seq_len = 3, .shuffle = true});
-  CHECK(error_of([&] {
-          shuffled.restore({.shard = 0, .window = 3, .epoch = 0, .window_tokens = 12});
-        }).find("and shuffles") != std::string::npos);
+  CHECK(error_of([&] { b.restore({.consumed = 32}); }).find("but this loader's epoch is 32 sequences") !=
+        std::string::npos);
+  CHECK(error_of([&] { b.restore({.consumed = 2, .seq_len = 4}); })
+            .find("saved with sequences of T=4 tokens but this loader reads T=3; resume with the checkpoint's "
+                  "sequence length (--seq 4)") != std::string::npos);
+  // Another global batch resumes where it divides the sequences read.
+  DataLoader four(ds, {.batch_size = 4, .seq_len = 3});
+  four.restore(saved);
+  CHECK(to_vector(four.next().inputs)[0] == 24);  // sequence 8
+  DataLoader three(ds, {.batch_size = 3, .seq_len = 3});
+  CHECK(error_of([&] { three.restore(saved); })
+            .find("8 sequences into an epoch, which is not a whole number of this run's global batches of 3; resume "
+                  "with a global batch that divides 8") != std::string::npos);
 }
 
-TEST_CASE("a shuffled epoch visits every window once, in an order fixed by (seed, epoch)") {
+TEST_CASE("a checkpoint's window position of the earlier loader converts in order, and is refused shuffled") {
+  TempDir dir;
+  std::vector<std::uint16_t> a(50), b(40);
+  std::iota(a.begin(), a.end(), 0);
+  std::iota(b.begin(), b.end(), 100);
+  write_shard(dir / "w_train_0.bin", a);
+  write_shard(dir / "w_train_1.bin", b);
+  const auto ds = TokenDataset::from_shards((dir / "w_train_*.bin").string(), 256);
+  DataLoader loader(ds, {.batch_size = 2, .seq_len = 4});
+  // Shard 0 holds 12 sequences; window 2 of 8 tokens in shard 1 is its token 16, sequence 4.
+  const LoaderState s = loader.from_windows(1, 2, 3, 8, /*shuffled=*/false);
+  CHECK(s == LoaderState{.epoch = 3, .consumed = 12 + 4, .seq_len = 4});
+  loader.restore(s);
+  CHECK(loader.next().inputs[0] == 100 + 16);
+  CHECK(error_of([&] {
+          static_cast<void>(loader.from_windows(0, 1, 0, 8, true));
+        }).find("shuffled windows of world x B x T tokens, an order llmpar no longer draws") != std::string::npos);
+  CHECK(error_of([&] {
+          static_cast<void>(loader.from_windows(0, 1, 0, 6, false));
+        }).find("does not fit this data and T=4") != std::string::npos);
+}
+
+TEST_CASE("a shuffled epoch visits every sequence once, in an order fixed by (seed, epoch)") {
   const int B = 2, T = 3;
   const auto ds = TokenDataset::from_tokens(iota_tokens(200), 256);
   DataLoader a(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
   DataLoader same(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
   DataLoader other(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 8});
   const std::int64_t n = a.batches_per_epoch();
-  REQUIRE(n == 33);  // (200 - 1) / 6
+  REQUIRE(n == 33);  // (200 - 1) / 3 = 66 sequences
   std::vector<std::int32_t> epoch0, epoch1, other0;
   for (std::int64_t i = 0; i < n; ++i) {
     const Batch b = a.next();
-    CHECK(b.targets[0] == b.inputs[0] + 1);
-    CHECK(b.inputs[0] % (B * T) == 0);  // a whole window
-    epoch0.push_back(b.inputs[0]);
-    CHECK(same.next().inputs[0] == epoch0.back());
-    other0.push_back(other.next().inputs[0]);
+    const Batch s = same.next();
+    const Batch o = other.next();
+    for (int row = 0; row < B; ++row) {
+      CHECK(b.targets[row * T] == b.inputs[row * T] + 1);
+      CHECK(b.inputs[row * T + T - 1] == b.inputs[row * T] + T - 1);  // a whole sequence
+      CHECK(b.inputs[row * T] % T == 0);
+      epoch0.push_back(b.inputs[row * T]);
+      CHECK(s.inputs[row * T] == epoch0.back());
+      other0.push_back(o.inputs[row * T]);
+    }
   }
   CHECK(a.epoch() == 1);
-  for (std::int64_t i = 0; i < n; ++i) epoch1.push_back(a.next().inputs[0]);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Batch b = a.next();
+    for (int row = 0; row < B; ++row) epoch1.push_back(b.inputs[row * T]);
+  }
   std::vector<std::int32_t> sorted = epoch0;
   std::sort(sorted.begin(), sorted.end());
-  for (std::int64_t i = 0; i < n; ++i) CHECK(sorted[static_cast<std::size_t>(i)] == i * B * T);
+  for (std::int64_t i = 0; i < 2 * n; ++i) CHECK(sorted[static_cast<std::size_t>(i)] == i * T);
   CHECK(epoch0 != sorted);  // actually shuffled
   CHECK(epoch1 != epoch0);  // a new order each epoch
   CHECK(other0 != epoch0);  // the seed matters
@@ -392,7 +438,7 @@ TEST_CASE("a shuffled epoch visits every window once, in an order fixed by (seed
   for (int i = 0; i < 5; ++i) c.next();
   DataLoader d(ds, {.batch_size = B, .seq_len = T, .shuffle = true, .seed = 7});
   d.restore(c.state());
-  for (int i = 0; i < 40; ++i) CHECK(d.next().inputs[0] == c.next().inputs[0]);
+  for (int i = 0; i < 40; ++i) CHECK(to_vector(d.next().inputs) == to_vector(c.next().inputs));
 }
 
 TEST_CASE("shuffled ranks together read what one shuffled rank reads") {
@@ -406,6 +452,80 @@ TEST_CASE("shuffled ranks together read what one shuffled rank reads") {
     auto a = to_vector(r0.next().inputs), b = to_vector(r1.next().inputs);
     a.insert(a.end(), b.begin(), b.end());
     CHECK(a == whole);
+  }
+}
+
+namespace {
+
+// One step's rows as a layout reads them: for each micro-batch, rank 0's rows, then rank 1's...
+std::vector<std::int32_t> step_rows(std::vector<DataLoader>& ranks, int micro_batches, bool targets = false) {
+  std::vector<std::int32_t> rows;
+  for (int m = 0; m < micro_batches; ++m)
+    for (DataLoader& l : ranks) {
+      const Batch b = l.next();
+      const auto v = to_vector(targets ? b.targets : b.inputs);
+      rows.insert(rows.end(), v.begin(), v.end());
+    }
+  return rows;
+}
+
+std::vector<DataLoader> layout(const TokenDataset& ds, int batch, int world, std::int64_t global, bool shuffle) {
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < world; ++r)
+    ranks.emplace_back(ds, LoaderConfig{.batch_size = batch,
+                                        .seq_len = 5,
+                                        .rank = r,
+                                        .world = world,
+                                        .global_batch = global,
+                                        .shuffle = shuffle,
+                                        .seed = 11});
+  return ranks;
+}
+
+}  // namespace
+
+TEST_CASE("every layout and accumulation of a global batch reads the same sequences in the same order") {
+  const auto ds = TokenDataset::from_tokens(iota_tokens(1000), 1000);
+  for (const bool shuffle : {false, true}) {
+    CAPTURE(shuffle);
+    // Global batch 8: one rank x 8, one rank 2 x 4 micro-batches, dp 2 x 2 micro-batches
+    // of 2, dp 4 x 1 micro-batch of 2, dp 2 x 1 of 4.
+    auto serial = layout(ds, 8, 1, 8, shuffle);
+    auto accum = layout(ds, 2, 1, 8, shuffle);
+    auto dp2 = layout(ds, 2, 2, 8, shuffle);
+    auto dp4 = layout(ds, 2, 4, 8, shuffle);
+    auto dp2b4 = layout(ds, 4, 2, 8, shuffle);
+    for (int step = 0; step < 30; ++step) {  // 24 global batches an epoch: across its end
+      const auto want = step_rows(serial, 1);
+      CHECK(step_rows(accum, 4) == want);
+      CHECK(step_rows(dp2, 2) == want);
+      CHECK(step_rows(dp4, 1) == want);
+      CHECK(step_rows(dp2b4, 1) == want);
+    }
+    // A checkpoint of the serial run resumes exactly at another layout.
+    auto resumed = layout(ds, 2, 2, 8, shuffle);
+    for (DataLoader& l : resumed) l.restore(serial[0].state());
+    for (int step = 0; step < 5; ++step) CHECK(step_rows(resumed, 2, true) == step_rows(serial, 1, true));
+  }
+}
+
+TEST_CASE("rng::Permutation is a bijection of [0, n), a function of its key") {
+  for (const std::uint64_t n : {1ull, 2ull, 3ull, 5ull, 17ull, 64ull, 1000ull, 4097ull}) {
+    CAPTURE(n);
+    const rng::Permutation p(n, 42), same(n, 42), other(n, 43);
+    std::vector<std::uint64_t> image, other_image;
+    for (std::uint64_t i = 0; i < n; ++i) {
+      image.push_back(p.at(i));
+      CHECK(same.at(i) == image.back());
+      other_image.push_back(other.at(i));
+    }
+    std::vector<std::uint64_t> sorted = image;
+    std::sort(sorted.begin(), sorted.end());
+    for (std::uint64_t i = 0; i < n; ++i) CHECK(sorted[i] == i);
+    if (n >= 17) {
+      CHECK(image != sorted);       // not the identity
+      CHECK(other_image != image);  // the key matters
+    }
   }
 }
 

@@ -189,7 +189,9 @@ case "$case" in
     grep -q '"loss_scale":1.0[,}]' bf16.jsonl || fail "bf16.jsonl does not show its loss scale of 1"
     ;;
   ranks | mpi)
-    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 0 --peak-gflops 50 --no-shuffle)
+    # Shuffled (the default): the data order is a function of the seed, the global batch
+    # and T alone, so every layout of one global batch trains on the same sequences.
+    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --sample-tokens 0 --peak-gflops 50)
     "$bin/train_gpt" "${common[@]}" --batch 8 --metrics one.jsonl | tee one.txt
     if [[ "$case" == ranks ]]; then
       "$bin/train_gpt" "${common[@]}" --ranks 2 --batch 4 --metrics two.jsonl | tee two.txt
@@ -239,7 +241,14 @@ case "$case" in
       "$bin/train_gpt" "${common[@]}" --ranks 2 --zero 3 --batch 4 --bucket-mb 0.25 --metrics zero3.jsonl |
         tee zero3.txt
       "$bin/train_gpt" "${common[@]}" --ranks 2 --zero 3 --batch 4 --no-overlap --metrics zero3n.jsonl
-      for layout in tp sp zero1 zero2 zero3 zero3n; do
+      # Micro-batches and accumulation: the global batch of 8 as 2 micro-batches of 2 on
+      # tp 2 x dp 2 with ZeRO 1, and as 2 micro-batches of 4 on one rank.
+      "$bin/train_gpt" "${common[@]}" --ranks 4 --tp 2 --zero 1 --global-batch 8 --micro-batch 2 \
+        --metrics tp2dp2.jsonl | tee tp2dp2.txt
+      grep -q 'tp 2 x dp 2, ZeRO 1) x micro-batch 2 x .*, grad accum 2 (global batch 8)' tp2dp2.txt ||
+        fail "--ranks 4 --tp 2 --global-batch 8 --micro-batch 2 did not accumulate 2 micro-batches of 2"
+      "$bin/train_gpt" "${common[@]}" --global-batch 8 --micro-batch 4 --metrics accum.jsonl >/dev/null
+      for layout in tp sp zero1 zero2 zero3 zero3n tp2dp2 accum; do
         paste <(losses one.jsonl) <(losses $layout.jsonl) | awk -v layout=$layout '{
             d = $1 - $2; if (d < 0) d = -d
             if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (" layout ")"; bad = 1 }
@@ -269,7 +278,7 @@ case "$case" in
     fi
     ;;
   pipeline)
-    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --peak-gflops 50 --no-shuffle --batch 2 --grad-accum 4)
+    common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --peak-gflops 50 --batch 2 --grad-accum 4)
     "$bin/train_gpt" "${common[@]}" --metrics one.jsonl | tee one.txt
     run() {  # run NAME FLAGS...: a layout's run, its losses in NAME.jsonl
       local name="$1"
@@ -345,15 +354,20 @@ PY
       fail "the imported model's validation loss differs"
     # A guard set far too tight: rollbacks, each logged, then the limit.
     expect_error 'rollbacks within 1000 steps' "$bin/train_gpt" --steps 60 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --batch 8 --spike-guard \
-      --spike-factor 1.05 --spike-min-history 3 --spike-window 5 --spike-snapshot-every 2 --spike-max-rollbacks 3 \
+      --spike-factor 1.02 --spike-min-history 3 --spike-window 5 --spike-snapshot-every 2 --spike-max-rollbacks 3 \
       --metrics spike.jsonl
     [[ $(grep -c '"type":"rollback"' spike.jsonl) == 3 ]] || fail "spike.jsonl lacks the 3 rollback records"
     # Bad checkpoints and flags.
     expect_error 'was saved from a model with dim 128 but this run builds 64; pass --dim 128' \
       "$bin/train_gpt" "${common[@]}" --batch 8 --dim 64 --resume whole
     expect_error 'the data order was shuffled with seed 1337' "$bin/train_gpt" "${common[@]}" --batch 8 --seed 7 --resume whole
-    expect_error 'with the same dp x batch size x sequence length' "$bin/train_gpt" "${common[@]}" --batch 4 \
-      --resume whole
+    # Another global batch resumes where it divides the sequences read (48 at step 6); 5 does not.
+    "$bin/train_gpt" "${common[@]}" --batch 4 --resume whole/step_00000006 --metrics half.jsonl >/dev/null
+    [[ $(losses half.jsonl | wc -l) == 6 ]] || fail "the resume at global batch 4 did not train steps 7-12"
+    expect_error "which is not a whole number of this run's global batches of 5" "$bin/train_gpt" "${common[@]}" \
+      --batch 5 --resume whole/step_00000006
+    expect_error 'but this loader reads T=32; resume with the checkpoint' "$bin/train_gpt" "${common[@]}" --batch 8 \
+      --seq 32 --resume whole
     # µP is part of the model: a µP checkpoint resumes only with --mup and its base width.
     expect_error 'was saved from a standard model but this run builds a µP one; drop --mup' \
       "$bin/train_gpt" "${common[@]}" --batch 8 --mup --resume whole

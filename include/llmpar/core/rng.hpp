@@ -91,4 +91,43 @@ struct Stream {
   }
 };
 
+// A random permutation of [0, n) that is computed, not stored: at(i) is the image of i,
+// for any n up to 2^62, in O(1) memory. A data order of a billion sequences costs
+// nothing to keep, to checkpoint (its key and n) or to look up at any position.
+//
+// Built as a balanced Feistel network on the smallest domain of 2^(2h) >= n elements
+// (four rounds whose round function is a keyed splitmix64, which makes it a bijection on
+// that domain whatever the round function is), restricted to [0, n) by cycle walking:
+// an image outside [0, n) is mapped again until it falls inside, which keeps it a
+// bijection on [0, n) and takes fewer than 4 rounds on average (the domain is < 4 n).
+class Permutation {
+ public:
+  Permutation(std::uint64_t n, std::uint64_t key) : n_(n), key_(key) {
+    while ((std::uint64_t{1} << (2 * half_bits_)) < n_) ++half_bits_;
+    mask_ = (std::uint64_t{1} << half_bits_) - 1;
+  }
+  std::uint64_t size() const { return n_; }
+  std::uint64_t at(std::uint64_t i) const {
+    do {
+      i = round_trip(i);
+    } while (i >= n_);
+    return i;
+  }
+
+ private:
+  std::uint64_t round_trip(std::uint64_t x) const {
+    std::uint64_t left = x >> half_bits_, right = x & mask_;
+    for (std::uint64_t round = 0; round < 4; ++round) {
+      const std::uint64_t f = mix64(key_ ^ mix64(right ^ (round << 58))) & mask_;
+      const std::uint64_t next = left ^ f;
+      left = right;
+      right = next;
+    }
+    return (left << half_bits_) | right;
+  }
+
+  std::uint64_t n_ = 0, key_ = 0, mask_ = 0;
+  int half_bits_ = 0;
+};
+
 }  // namespace llmpar::rng

@@ -6,14 +6,13 @@
 // once, up front: an id >= vocab would otherwise index past the embedding table, which
 // is a crash on a GPU and silent garbage on a CPU.
 //
-// DataLoader reads the way llm.c does: batches are B*T+1 contiguous tokens, in order or
-// (with shuffle) in an order of whole windows permuted per shard and epoch by the
-// counter-based RNG. Either way a training run is a pure function of (data, B, T,
-// world, seed), the order is trivial to checkpoint (a shard, a window index, an epoch),
-// and a batch costs one sequential read of a mapped file. Data parallelism
-// is built in the same way: the world's ranks read consecutive B*T chunks of one global
-// window of world*B*T+1 tokens, so world ranks with batch B see exactly the rows one rank
-// with batch world*B sees — the serial-equivalence contract for data parallelism.
+// DataLoader draws global batches of whole sequences (T+1 tokens each), in order or in a
+// seeded permutation per epoch, and splits each among the data-parallel ranks and the
+// micro-batches of a step, as Megatron's sampler does: a training run is a pure function
+// of (data, T, global batch, seed), whatever the layout, and its position is two
+// numbers (an epoch, the sequences read of it). In order and one micro-batch per step it
+// reads llm.c's consecutive B*T+1 token windows, so N ranks with batch B see exactly the
+// rows one rank with batch N*B sees.
 //
 // The embedded corpus is the Debian `fortunes` package: a few MB of varied English that
 // is on most Debian machines already, so the example trainer runs with no download.
@@ -27,6 +26,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -151,20 +151,21 @@ class TokenDataset {
 };
 
 struct LoaderConfig {
-  int batch_size = 0;      // B: rows per batch on this rank
-  int seq_len = 0;         // T: tokens per row
-  int rank = 0;            // this rank's index among the data-parallel ranks
-  int world = 1;           // number of data-parallel ranks reading the dataset together
-  bool shuffle = false;    // visit each shard's windows in a permuted order, new every epoch
-  std::uint64_t seed = 0;  // of that order (the same on every rank)
+  int batch_size = 0;             // B: rows per micro-batch on this rank
+  int seq_len = 0;                // T: tokens per row
+  int rank = 0;                   // this rank's index among the data-parallel ranks
+  int world = 1;                  // number of data-parallel ranks reading the dataset together
+  std::int64_t global_batch = 0;  // G: sequences per optimizer step over every rank (0: B * world)
+  bool shuffle = false;           // visit the sequences in a permuted order, new every epoch
+  std::uint64_t seed = 0;         // of that order (the same on every rank)
 };
 
-// Where the loader will read next: enough to resume a run exactly from a checkpoint.
+// Where the loader will read next: enough to resume a run exactly from a checkpoint, at
+// this layout or any other with the same T (and a global batch that divides `consumed`).
 struct LoaderState {
-  std::size_t shard = 0;
-  std::int64_t window = 0;         // index, in this epoch's order, of the world's next window in the shard
-  std::int64_t epoch = 0;          // completed passes over the dataset
-  std::int64_t window_tokens = 0;  // world*B*T of the loader that saved it (0: not checked)
+  std::int64_t epoch = 0;     // completed passes over the dataset
+  std::int64_t consumed = 0;  // sequences of this epoch's order the world has read
+  std::int64_t seq_len = 0;   // T of the loader that saved it (0: not checked)
   friend bool operator==(const LoaderState&, const LoaderState&) = default;
 };
 
@@ -173,13 +174,19 @@ struct Batch {
   View<const std::int32_t> targets;  // (B,T): targets[b][t] = the token after inputs[b][t]
 };
 
-// Batches of one rank's rows. A shard is cut into windows of world*B*T tokens (plus the
-// one token after, for the last target); each call to next() consumes one window, and
-// rank r reads tokens [r*B*T, r*B*T + B*T + 1) of it. Windows are taken in order, or
-// with shuffle in a permutation drawn from (seed, epoch, shard) — the same on every
-// rank. A window never spans two shards: after a shard's last whole window the loader
-// moves to the next shard (and after the last, back to the first, ending an epoch),
-// leaving fewer than world*B*T tokens at each shard's end unread, as llm.c does.
+// Batches of one rank's rows, in an order that is a function of the data, the seed and
+// T alone (Megatron's sampler: draw global batches, then split them), so that every
+// layout, micro-batch size and accumulation of one global batch trains on the same
+// sequences in the same order, and a checkpoint resumes exactly at any layout.
+//
+// The dataset is a list of sequences: shard s holds floor((n_s - 1) / T) of them, the
+// k-th being tokens [k T, k T + T] (T inputs, and the token after each as its target),
+// and the list runs shard after shard. An epoch visits them in order, or with shuffle in
+// a permutation drawn from (seed, epoch) (rng::Permutation: computed, never stored);
+// step g of the epoch reads positions [g G, g G + G) of that order, and micro-batch m of
+// it gives rank r the B positions starting at g G + m (world B) + r B. The sequences
+// after the epoch's last whole global batch are not read that epoch. In order and with
+// one micro-batch per step this is llm.c's loader: consecutive B*T+1 token windows.
 class DataLoader {
  public:
   DataLoader(const TokenDataset& data, LoaderConfig config) : data_(&data), config_(config) {
@@ -190,122 +197,151 @@ class DataLoader {
                  "; it must be >= 1 (the number of data-parallel ranks)");
     LLMPAR_CHECK(config.rank >= 0 && config.rank < config.world, "LoaderConfig.rank is ", config.rank,
                  "; it must be in [0, world) = [0, ", config.world, ")");
+    LLMPAR_CHECK(config.global_batch >= 0, "LoaderConfig.global_batch is ", config.global_batch,
+                 "; give a number of sequences, or 0 for batch_size x world");
     LLMPAR_CHECK(data.num_shards() >= 1, "the dataset has no shards");
-    rows_ = static_cast<std::int64_t>(config.batch_size) * config.seq_len;
-    stride_ = rows_ * config.world;
+    rows_ = static_cast<std::int64_t>(config.batch_size) * config.world;
+    const std::int64_t T = config.seq_len;
+    std::int64_t total = 0;
     for (std::size_t i = 0; i < data.num_shards(); ++i) {
-      const auto n = static_cast<std::int64_t>(data.shard(i).size());
-      LLMPAR_CHECK(n >= stride_ + 1, "'", data.shard_name(i), "' has ", n,
-                   " tokens, too few for one batch: batch size B=", config.batch_size,
-                   " x sequence length T=", config.seq_len, " x world ", config.world, " + 1 = ", stride_ + 1,
-                   " tokens are needed; use a smaller batch size or sequence length, or more data in the shard");
+      first_.push_back(total);
+      total += (static_cast<std::int64_t>(data.shard(i).size()) - 1) / T;
     }
-    inputs_.resize(rows_);
-    targets_.resize(rows_);
-    state_.window_tokens = stride_;
+    sequences_ = total;
+    set_global_batch(config.global_batch > 0 ? config.global_batch : rows_);
+    inputs_.resize(static_cast<std::int64_t>(config.batch_size) * T);
+    targets_.resize(static_cast<std::int64_t>(config.batch_size) * T);
     draw_order();
   }
   // The loader keeps a pointer to the dataset, so a temporary one would dangle.
   DataLoader(TokenDataset&&, LoaderConfig) = delete;
 
-  // The next batch. The views point into the loader's buffers and are valid until the
-  // next call to next().
+  // The next micro-batch. The views point into the loader's buffers and are valid until
+  // the next call to next().
   Batch next() {
-    const std::int64_t window = order_.empty() ? state_.window : order_[static_cast<std::size_t>(state_.window)];
-    const std::uint16_t* src =
-        data_->shard(state_.shard).data() + window * stride_ + static_cast<std::int64_t>(config_.rank) * rows_;
+    const std::int64_t T = config_.seq_len;
+    const std::int64_t first = state_.consumed + static_cast<std::int64_t>(config_.rank) * config_.batch_size;
     std::int32_t* LLMPAR_RESTRICT in = inputs_.data();
     std::int32_t* LLMPAR_RESTRICT tgt = targets_.data();
-    for (std::int64_t i = 0; i < rows_; ++i) {
-      in[i] = src[i];
-      tgt[i] = src[i + 1];
+    for (std::int64_t b = 0; b < config_.batch_size; ++b) {
+      const std::uint16_t* src = sequence(first + b);
+      for (std::int64_t t = 0; t < T; ++t) {
+        in[b * T + t] = src[t];
+        tgt[b * T + t] = src[t + 1];
+      }
     }
-    advance();
+    state_.consumed += rows_;
+    if (state_.consumed == epoch_length_) {
+      state_.consumed = 0;
+      ++state_.epoch;
+      draw_order();
+    }
     const Shape shape{config_.batch_size, config_.seq_len};
     return {inputs_.view(shape), targets_.view(shape)};
   }
 
-  // Back to the first batch of the first shard, epoch 0.
-  void reset() { restore({.window_tokens = stride_}); }
-  std::int64_t epoch() const { return state_.epoch; }
-  const LoaderConfig& config() const { return config_; }
-  // Batches in one pass over the dataset (every rank gets the same number).
-  std::int64_t batches_per_epoch() const {
-    std::int64_t n = 0;
-    for (std::size_t i = 0; i < data_->num_shards(); ++i) n += windows(i);
-    return n;
+  // The sequences of one optimizer step over every rank: LoaderConfig::global_batch, or
+  // (where that is 0) batch_size x world until the trainer sets it to micro-batch x dp x
+  // accumulation. It decides where an epoch ends (after its last whole global batch).
+  std::int64_t global_batch() const { return step_; }
+  void set_global_batch(std::int64_t sequences) {
+    LLMPAR_CHECK(config_.global_batch == 0 || config_.global_batch == sequences, "the loader draws global batches of ",
+                 config_.global_batch, " sequences (LoaderConfig::global_batch) but a step reads ", sequences,
+                 "; leave LoaderConfig::global_batch 0 (the trainer sets it) or set it to ", sequences);
+    LLMPAR_CHECK(sequences >= 1 && sequences % rows_ == 0, "LoaderConfig.global_batch is ", sequences,
+                 " sequences, not a multiple of batch_size ", config_.batch_size, " x world ", config_.world, " = ",
+                 rows_, " (the sequences one micro-batch reads over the data-parallel ranks)");
+    LLMPAR_CHECK(state_.consumed % sequences == 0, "the loader is ", state_.consumed,
+                 " sequences into an epoch, not at the start of a global batch of ", sequences);
+    const std::int64_t length = sequences_ / sequences * sequences;
+    LLMPAR_CHECK(length > 0, "the dataset holds ", sequences_, " sequences of T=", config_.seq_len,
+                 " tokens (plus the one after), too few for one global batch of ", sequences,
+                 " sequences (batch size B=", config_.batch_size, " x world ", config_.world, " x ", sequences / rows_,
+                 " micro-batches); use a smaller batch or sequence length, or more data (",
+                 (sequences * config_.seq_len + 1), " tokens are needed)");
+    step_ = sequences;
+    epoch_length_ = length;
   }
 
-  LoaderState state() const { return state_; }
-  // Resumes at a state from state(); it must come from a loader with the same data, B, T
-  // and world, which the checks below catch in the cases where it would read wrongly.
-  // In order (no shuffle), a state saved with other windows resumes at the same token
-  // when that token starts one of this loader's windows (a checkpoint loaded at another
-  // layout with the same tokens per step).
+  // Back to the first batch, epoch 0.
+  void reset() { restore({}); }
+  std::int64_t epoch() const { return state_.epoch; }
+  const LoaderConfig& config() const { return config_; }
+  // Micro-batches in one pass over the dataset (every rank gets the same number).
+  std::int64_t batches_per_epoch() const { return epoch_length_ / rows_; }
+
+  LoaderState state() const {
+    LoaderState s = state_;
+    s.seq_len = config_.seq_len;
+    return s;
+  }
+  // Resumes at a state from state(): of a loader with the same data and T, at any layout
+  // whose global batch divides the sequences the saved run had read of its epoch.
   void restore(LoaderState s) {
-    if (s.window_tokens != 0 && s.window_tokens != stride_ && !config_.shuffle &&
-        s.window * s.window_tokens % stride_ == 0) {
-      s.window = s.window * s.window_tokens / stride_;
-      s.window_tokens = stride_;
-    }
-    LLMPAR_CHECK(s.window_tokens == 0 || s.window_tokens == stride_, "loader state was saved with windows of ",
-                 s.window_tokens, " tokens (world*B*T) but this loader reads ", stride_,
-                 config_.shuffle ? " and shuffles (an order of windows that depends on their size)" : "",
-                 "; resume with the same dp x batch size x sequence length as the checkpoint");
-    LLMPAR_CHECK(s.shard < data_->num_shards(), "loader state names shard ", s.shard, " but the dataset has ",
-                 data_->num_shards(), " shards; resume with the data the checkpoint was trained on");
-    LLMPAR_CHECK(s.window >= 0 && s.window < windows(s.shard), "loader state window ", s.window, " of '",
-                 data_->shard_name(s.shard), "' is outside its ", windows(s.shard),
-                 " windows; resume with the data, batch size, sequence length and world size of the checkpoint");
+    LLMPAR_CHECK(s.seq_len == 0 || s.seq_len == config_.seq_len,
+                 "loader state was saved with sequences of T=", s.seq_len,
+                 " tokens but this loader reads T=", config_.seq_len,
+                 "; resume with the checkpoint's sequence length (--seq ", s.seq_len, ")");
     LLMPAR_CHECK(s.epoch >= 0, "loader state epoch ", s.epoch, " is negative");
-    state_ = s;
-    state_.window_tokens = stride_;
+    LLMPAR_CHECK(s.consumed >= 0 && s.consumed < epoch_length_, "loader state is ", s.consumed,
+                 " sequences into an epoch, but this loader's epoch is ", epoch_length_,
+                 " sequences; resume with the data and sequence length of the checkpoint");
+    LLMPAR_CHECK(s.consumed % step_ == 0, "loader state is ", s.consumed,
+                 " sequences into an epoch, which is not a whole number of this run's global batches of ", step_,
+                 "; resume with a global batch that divides ", s.consumed, " (the checkpoint's, for one)");
+    state_ = {.epoch = s.epoch, .consumed = s.consumed};
     draw_order();
   }
 
+  // The state of a checkpoint written before the data order was a function of T and the
+  // seed alone (LoaderState was a shard, a window of `window_tokens` = world*B*T tokens
+  // in it, and an epoch). In order, its position is a sequence of the new order; a
+  // shuffled one permuted windows of world*B*T, an order no longer drawn.
+  LoaderState from_windows(std::int64_t shard, std::int64_t window, std::int64_t epoch, std::int64_t window_tokens,
+                           bool shuffled) const {
+    const std::int64_t T = config_.seq_len;
+    LLMPAR_CHECK(!shuffled,
+                 "the checkpoint's data order shuffled windows of world x B x T tokens, an order llmpar "
+                 "no longer draws (the order is now a function of the seed and T alone, the same at every "
+                 "layout), so it cannot resume exactly; start a new run");
+    LLMPAR_CHECK(shard >= 0 && static_cast<std::size_t>(shard) < data_->num_shards() && window >= 0 &&
+                     window_tokens > 0 && window_tokens % T == 0,
+                 "the checkpoint's loader position (shard ", shard, ", window ", window, " of ", window_tokens,
+                 " tokens) does not fit this data and T=", T, "; resume with the checkpoint's data and --seq");
+    return {.epoch = epoch,
+            .consumed = first_[static_cast<std::size_t>(shard)] + window * (window_tokens / T),
+            .seq_len = T};
+  }
+
  private:
-  // Whole windows of world*B*T (+1) tokens in shard i.
-  std::int64_t windows(std::size_t i) const {
-    return (static_cast<std::int64_t>(data_->shard(i).size()) - 1) / stride_;
+  // The first token of the sequence at `position` of this epoch's order.
+  const std::uint16_t* sequence(std::int64_t position) const {
+    const std::int64_t q =
+        order_ ? static_cast<std::int64_t>(order_->at(static_cast<std::uint64_t>(position))) : position;
+    const auto shard = static_cast<std::size_t>(std::upper_bound(first_.begin(), first_.end(), q) - first_.begin() - 1);
+    return data_->shard(shard).data() + (q - first_[shard]) * config_.seq_len;
   }
 
-  void advance() {
-    if (++state_.window == windows(state_.shard)) {
-      state_.window = 0;
-      if (++state_.shard == data_->num_shards()) {
-        state_.shard = 0;
-        ++state_.epoch;
-      }
-      draw_order();
-    }
-  }
-
-  // The window order of the current (epoch, shard): a Fisher-Yates permutation driven by
-  // the counter-based RNG, so every rank draws the same order without communicating.
+  // This epoch's order: a permutation of every sequence keyed by (seed, epoch), the same
+  // on every rank (no communication) and whatever the batch sizes.
   void draw_order() {
-    order_.clear();
+    order_.reset();
     if (!config_.shuffle) return;
-    const std::int64_t n = windows(state_.shard);
-    order_.resize(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) order_[static_cast<std::size_t>(i)] = i;
-    const rng::Stream stream(rng::mix64(config_.seed ^ rng::mix64(static_cast<std::uint64_t>(state_.epoch) << 32 |
-                                                                  static_cast<std::uint64_t>(state_.shard))));
-    for (std::int64_t i = n - 1; i > 0; --i) {
-      const rng::Counter r = stream.bits(static_cast<std::uint64_t>(i));
-      const std::uint64_t draw = static_cast<std::uint64_t>(r[0]) << 32 | r[1];
-      std::swap(order_[static_cast<std::size_t>(i)],
-                order_[static_cast<std::size_t>(draw % static_cast<std::uint64_t>(i + 1))]);
-    }
+    order_.emplace(static_cast<std::uint64_t>(sequences_),
+                   rng::mix64(config_.seed ^ rng::mix64(static_cast<std::uint64_t>(state_.epoch) + 0x5eed)));
   }
 
   const TokenDataset* data_;
   LoaderConfig config_;
-  std::int64_t rows_ = 0;    // B*T: tokens of input per rank and batch
-  std::int64_t stride_ = 0;  // world*B*T: how far the world's window moves per batch
-  LoaderState state_;
-  std::vector<std::int64_t> order_;  // window order of the current shard; empty: in order
-  Buffer<std::int32_t> inputs_;      // (B,T)
-  Buffer<std::int32_t> targets_;     // (B,T)
+  std::int64_t rows_ = 0;                  // world * B: the sequences one micro-batch reads over the ranks
+  std::int64_t step_ = 0;                  // G: the sequences one optimizer step reads
+  std::int64_t epoch_length_ = 0;          // the whole global batches of an epoch, in sequences
+  std::int64_t sequences_ = 0;             // in the dataset
+  std::vector<std::int64_t> first_;        // index of each shard's first sequence
+  LoaderState state_;                      // (its seq_len is filled by state())
+  std::optional<rng::Permutation> order_;  // this epoch's order; empty: in order
+  Buffer<std::int32_t> inputs_;            // (B,T)
+  Buffer<std::int32_t> targets_;           // (B,T)
 };
 
 // ---------------------------------------------------------------------------------------

@@ -166,6 +166,10 @@ class Trainer {
                    " but the data-parallel group is rank ", replicas_->rank(), " of ", replicas_->size(),
                    "; build its LoaderConfig with the dp group's rank and size");
     }
+    // The loader draws global batches of every micro-batch of every dp rank of a step.
+    const data::LoaderConfig& lc = train.config();
+    const std::int64_t per_step = static_cast<std::int64_t>(lc.batch_size) * lc.world * cfg.grad_accum;
+    train.set_global_batch(per_step);
   }
 
   // One optimizer step over grad_accum micro-batches.
@@ -331,10 +335,9 @@ class Trainer {
     return {{"step", step_},
             {"optimizer_steps", optimizer_.steps_taken()},
             {"loader",
-             {{"shard", l.shard},
-              {"window", l.window},
-              {"epoch", l.epoch},
-              {"window_tokens", l.window_tokens},
+             {{"epoch", l.epoch},
+              {"consumed", l.consumed},
+              {"seq_len", l.seq_len},
               {"shuffle", train_.config().shuffle},
               {"seed", train_.config().seed}}},
             {"loss_scaler",
@@ -419,10 +422,13 @@ class Trainer {
                  train_.config().shuffle ? "shuffled with seed " + std::to_string(train_.config().seed)
                                          : std::string("in order"),
                  "; resume with the checkpoint's --seed and --shuffle/--no-shuffle");
-    train_.restore({.shard = static_cast<std::size_t>(number(l, "shard")),
-                    .window = number(l, "window"),
-                    .epoch = number(l, "epoch"),
-                    .window_tokens = number(l, "window_tokens")});
+    // A checkpoint from before the order was a function of the seed and T alone records
+    // a window of a shard instead of the sequences read.
+    if (l.contains("consumed"))
+      train_.restore({.epoch = number(l, "epoch"), .consumed = number(l, "consumed"), .seq_len = number(l, "seq_len")});
+    else
+      train_.restore(train_.from_windows(number(l, "shard"), number(l, "window"), number(l, "epoch"),
+                                         number(l, "window_tokens"), shuffle));
     const nlohmann::json& sc = s["loss_scaler"];
     LLMPAR_CHECK(sc.is_object() && sc.contains("scale") && sc["scale"].is_number(), what,
                  ": the loss scaler state has no scale");
