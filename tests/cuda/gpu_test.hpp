@@ -12,10 +12,14 @@
 //
 // Here: the failure counter and expect(), expect_error() for an llmpar::Error with a
 // given message, the exit code logic, host vectors from llmpar::rng, device buffer
-// upload/download, the bit-level helpers for float/bf16/f16 and a tolerance check. The
+// upload/download (copy_out's errors name the call site and what the pointer points
+// into), the bit-level helpers for float/bf16/f16 and a tolerance check. The
 // programs' printed lines are theirs: where two of them word a line differently, the
 // wording is a parameter here (ErrorWording), not unified.
 #pragma once
+
+#include <cuda.h>  // the driver API's types only: describe_pointer looks its one call up at run time
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <source_location>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -216,13 +221,71 @@ std::vector<T> download(const DeviceBuffer<T>& buffer) {
   return host;
 }
 
-// n elements from device memory, once `stream` has reached this point.
+// What `p` points into, for an error about a copy of `bytes` bytes from it: the kind of
+// memory (cudaPointerGetAttributes) and, for device memory, the allocation that holds
+// it and where the copy ends relative to that allocation's end (the driver's
+// cuMemGetAddressRange, looked up at run time so the tests need not link libcuda).
+// Leaves the runtime's error state clear.
+inline std::string describe_pointer(const void* p, std::size_t bytes) {
+  char text[256];
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    std::snprintf(text, sizeof(text), "%p is not a pointer the CUDA runtime knows", p);
+    return text;
+  }
+  switch (attributes.type) {
+    case cudaMemoryTypeUnregistered:
+      std::snprintf(text, sizeof(text), "%p is host memory not registered with CUDA (or freed device memory)", p);
+      return text;
+    case cudaMemoryTypeHost:
+      std::snprintf(text, sizeof(text), "%p is page-locked host memory", p);
+      return text;
+    case cudaMemoryTypeManaged:
+      std::snprintf(text, sizeof(text), "%p is managed memory", p);
+      return text;
+    case cudaMemoryTypeDevice:
+      break;
+  }
+  using AddressRange = CUresult (*)(CUdeviceptr*, std::size_t*, CUdeviceptr);
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  CUdeviceptr base = 0;
+  std::size_t size = 0;
+  const auto address = reinterpret_cast<CUdeviceptr>(p);
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess ||
+      reinterpret_cast<AddressRange>(entry)(&base, &size, address) != CUDA_SUCCESS) {
+    static_cast<void>(cudaGetLastError());
+    std::snprintf(text, sizeof(text), "%p is device memory of device %d (its allocation's size unknown)", p,
+                  attributes.device);
+    return text;
+  }
+  const std::size_t offset = static_cast<std::size_t>(address - base);
+  const std::size_t end = offset + bytes;
+  std::snprintf(text, sizeof(text),
+                "%p is device memory of device %d, %zu bytes into an allocation of %zu bytes; the copy ends %zu "
+                "bytes %s its end",
+                p, attributes.device, offset, size, end > size ? end - size : size - end,
+                end > size ? "PAST" : "before");
+  return text;
+}
+
+// n elements from device memory, once `stream` has reached this point. A failed copy
+// names its caller (file:line, function), the size asked for and what `device` points
+// into, so the error says which call site passed what.
 template <class T>
-std::vector<T> copy_out(const T* device, std::int64_t n, cudaStream_t stream) {
+std::vector<T> copy_out(const T* device, std::int64_t n, cudaStream_t stream,
+                        std::source_location caller = std::source_location::current()) {
   std::vector<T> host(static_cast<std::size_t>(n));
+  const std::size_t bytes = host.size() * sizeof(T);
   if (n > 0)
-    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host.data(), device, host.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
-  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream));
+    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host.data(), device, bytes, cudaMemcpyDeviceToHost, stream), "copy_out of ", n,
+                      " elements (", bytes, " bytes) called from ", caller.file_name(), ":", caller.line(), " in ",
+                      caller.function_name(), ": ", describe_pointer(device, bytes));
+  LLMPAR_CHECK_CUDA(cudaStreamSynchronize(stream), "after copy_out called from ", caller.file_name(), ":",
+                    caller.line());
   return host;
 }
 

@@ -36,6 +36,7 @@
 //   - Backend::zero (backend::Cuda::zero, how zero_grad clears main grads) zeroes its n
 //     elements in the compute stream's order and nothing past them.
 // Exit codes: 0 pass, 1 failure, 77 no CUDA device (ctest reports that as skipped).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -104,7 +105,12 @@ using gpu_test::type_name;
 constexpr ExpectError expect_error{ErrorWording::lacks};
 
 // Elements of got farther from want than 1e-5 |want| + 1e-6 rms(want); prints a few.
+// Vectors of different lengths are all wrong (and never read past the shorter).
 std::int64_t count_far(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  if (got.size() != want.size()) {
+    std::fprintf(stderr, "  %s: device has %zu elements, cpu %zu\n", what, got.size(), want.size());
+    return static_cast<std::int64_t>(std::max(got.size(), want.size()));
+  }
   double sum_sq = 0.0;
   for (float w : want) sum_sq += static_cast<double>(w) * w;
   const double rms = want.empty() ? 0.0 : std::sqrt(sum_sq / static_cast<double>(want.size()));
@@ -481,7 +487,12 @@ class OptimizerPair {
     to_device(device_store_.grads(), flat, ctx_.stream());
   }
 
-  // The device optimizer's state: working copy, masters, m, v.
+  // The device optimizer's state: the working copy (the store's flat value buffer,
+  // flat_size() elements, each parameter at its 64-byte-aligned offset, zero padding
+  // between), and the masters, m and v, which cuda::AdamW lays out as optim::AdamW does:
+  // segment after segment, without padding (numel() elements). The first H200 run read
+  // flat_size() elements of those too: 76 floats past the end of each allocation, which
+  // cudaMemcpyAsync refused (cudaErrorInvalidValue).
   struct DeviceState {
     std::vector<bf16> values;
     std::vector<float> master, m, v;
@@ -494,14 +505,14 @@ class OptimizerPair {
     const cudaStream_t stream = ctx_.stream();
     cuda::AdamW<bf16>& opt = *device_opt_;
     return {copy_out(device_store_.values(), flat_size(), stream),
-            copy_out(opt.master_weights().data(), flat_size(), stream),
-            copy_out(opt.first_moment().data(), flat_size(), stream),
-            copy_out(opt.second_moment().data(), flat_size(), stream)};
+            copy_out(opt.master_weights().data(), opt.master_weights().size(), stream),
+            copy_out(opt.first_moment().data(), opt.first_moment().size(), stream),
+            copy_out(opt.second_moment().data(), opt.second_moment().size(), stream)};
   }
 
   // Elements where the device's state is farther from the CPU's than f32 rounding, or its
   // working copy is not P(device master) bit for bit, or is more than 1 ulp from the
-  // CPU's working copy.
+  // CPU's working copy, or the padding between parameters is not zero.
   std::int64_t differences() {
     const DeviceState d = device_state();
     optim::AdamW<bf16>& h = *host_opt_;
@@ -509,16 +520,30 @@ class OptimizerPair {
     std::int64_t bad = count_far(d.master, host_vector(h.master_weights()), "master");
     bad += count_far(d.m, host_vector(h.first_moment()), "m");
     bad += count_far(d.v, host_vector(h.second_moment()), "v");
-    for (std::int64_t i = 0; i < flat_size(); ++i) {
-      const bf16 own = llmpar::convert<bf16>(d.master[i]);
-      const bf16 cpu_value = host_store_.values()[i];
-      const bool exact = ordered(d.values[i]) == ordered(own);
-      const bool near = std::llabs(ordered(d.values[i]) - ordered(cpu_value)) <= 1;
-      const bool cpu_exact = ordered(cpu_value) == ordered(llmpar::convert<bf16>(h.master_weights()[i]));
-      if (!(exact && near && cpu_exact) && ++bad <= 3)
-        std::fprintf(stderr, "  value[%lld]: device %.9g, bf16(device master) %.9g, cpu %.9g\n",
-                     static_cast<long long>(i), to_f(d.values[i]), to_f(own), to_f(cpu_value));
+    if (d.master.size() != static_cast<std::size_t>(host_store_.numel())) return bad + 1;
+    // Walk the parameters: element e of the k-th is at its offset in the flat value
+    // buffers and at state + e in the masters.
+    std::vector<bool> in_parameter(static_cast<std::size_t>(flat_size()), false);
+    std::int64_t state = 0;
+    for (const nn::Parameter<bf16>* p : host_store_.parameters()) {
+      const std::int64_t offset = p->value - host_store_.values();
+      for (std::int64_t e = 0; e < p->numel(); ++e) {
+        const auto i = static_cast<std::size_t>(offset + e), s = static_cast<std::size_t>(state + e);
+        in_parameter[i] = true;
+        const bf16 own = llmpar::convert<bf16>(d.master[s]);
+        const bf16 cpu_value = host_store_.values()[i];
+        const bool exact = ordered(d.values[i]) == ordered(own);
+        const bool near = std::llabs(ordered(d.values[i]) - ordered(cpu_value)) <= 1;
+        const bool cpu_exact = ordered(cpu_value) == ordered(llmpar::convert<bf16>(h.master_weights()[s]));
+        if (!(exact && near && cpu_exact) && ++bad <= 3)
+          std::fprintf(stderr, "  %s[%lld]: device %.9g, bf16(device master) %.9g, cpu %.9g\n", p->name.c_str(),
+                       static_cast<long long>(e), to_f(d.values[i]), to_f(own), to_f(cpu_value));
+      }
+      state += p->numel();
     }
+    for (std::size_t i = 0; i < in_parameter.size(); ++i)
+      if (!in_parameter[i] && to_f(d.values[i]) != 0.0f && ++bad <= 3)
+        std::fprintf(stderr, "  padding value[%zu] is %.9g, not 0\n", i, to_f(d.values[i]));
     return bad;
   }
 
@@ -617,6 +642,8 @@ void check_backend_zero(cuda::Context& ctx) {
 }  // namespace
 
 int main() {
+  // Lines in the order they happen, stdout and stderr alike, when both go to one log.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (!gpu_test::run_host_checks(host_checks, "host checks")) return 1;
   if (llmpar::backend::cuda::device_count() == 0) {
     std::printf("host checks %s; skipped the device checks: no CUDA device\n", gpu_test::verdict());

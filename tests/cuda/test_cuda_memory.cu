@@ -3,6 +3,13 @@
 // the first by an event; the pool recycling freed memory instead of growing; event
 // timing; and the errors for devices that do not exist. Exit codes: 0 pass, 1 failure,
 // 77 no CUDA device (ctest reports that as skipped).
+//
+// The bytes it measures are its own: the pool's counters (cudaMemPoolAttrReservedMemCurrent,
+// _UsedMemCurrent) count this process's pool only, never cudaMemGetInfo's device-wide
+// free memory, so other programs on the GPU, or this one's own cudaMalloc (cuBLASLt's
+// workspace, a Buffer<T, memory::Device>), cannot move them; the test proves that last
+// part with a 64 MiB cudaMalloc between two reads. So it runs beside other tests (no
+// RUN_SERIAL), as the first H200 run could have.
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -32,6 +39,8 @@ __global__ void affine(const float* x, float* y, int n) {
 
 int main() {
   using namespace llmpar::backend::cuda;
+  // Lines in the order they happen, stdout and stderr alike, when both go to one log.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (device_count() == 0) {
     std::printf("skipped: no CUDA device\n");
     try {
@@ -87,6 +96,15 @@ int main() {
     LLMPAR_CHECK_CUDA(cudaStreamSynchronize(context.compute()));
     expect(context.pool_reserved_bytes() == reserved, "the pool recycles freed allocations");
     expect(context.pool_used_bytes() >= 2 * x.bytes(), "live allocations count as used");
+
+    // Memory from outside the pool (what another program, or cudaMalloc here, takes)
+    // does not show in its counters.
+    const auto used = context.pool_used_bytes();
+    void* outside = nullptr;
+    LLMPAR_CHECK_CUDA(cudaMalloc(&outside, std::size_t{64} << 20));
+    const bool unmoved = context.pool_reserved_bytes() == reserved && context.pool_used_bytes() == used;
+    LLMPAR_CHECK_CUDA(cudaFree(outside));
+    expect(unmoved, "the pool's counters ignore memory allocated outside the pool");
 
     // Event timing brackets work.
     Event start(Event::Timing::on), stop(Event::Timing::on);

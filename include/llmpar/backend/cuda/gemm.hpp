@@ -19,12 +19,26 @@
 //
 // Workspace: 32 MiB on Hopper (its best kernels want it), 4 MiB before, allocated once.
 //
-// fp32 storage computes in full fp32 by default (Fp32Math::strict: the gpu tests
-// compare it with the CPU backend at 1e-5) or, when asked, through TF32 tensor cores
-// (Fp32Math::tf32, about 8x faster, 10-bit mantissa inputs). bf16/f16 storage always
-// accumulates in fp32, and its output is bf16/f16 or f32: the weight-gradient GEMMs of a
-// 16-bit model write (and accumulate into) its f32 main grads directly, which cuBLASLt
-// supports for 16-bit A and B with 32F compute and 32F C/D.
+// fp32 storage computes in full fp32 by default (Fp32Math::strict: CUBLAS_COMPUTE_32F,
+// and the heuristic is told to exclude algorithms that read their inputs as TF32, bf16
+// or f16, so "strict" is a guarantee, not a default) or, when asked, through TF32 tensor
+// cores (Fp32Math::tf32, about 8x faster, inputs rounded to 10-bit mantissas). bf16/f16
+// storage always accumulates in fp32, and its output is bf16/f16 or f32: the
+// weight-gradient GEMMs of a 16-bit model write (and accumulate into) its f32 main grads
+// directly, which cuBLASLt supports for 16-bit A and B with 32F compute and 32F C/D.
+//
+// Split-K and 16-bit outputs: an algorithm that splits K may reduce its partial products
+// in place in D or through a workspace in the output type (CUBLASLT_REDUCTION_SCHEME_
+// INPLACE, _OUTPUT_TYPE). With a bf16/f16 D that rounds each partial product to 16 bits
+// before beta*C, the epilogue (dGELU, the bias gradient) and the final rounding are
+// applied: C += A*B becomes T(T(A*B) + C), off by u*|A*B| rather than u*|A*B + C|. The
+// first H200 run showed exactly that (tests/cuda/test_cuda_gemm.cu: accumulating bf16
+// and f16 GEMMs, dGELU and bias gradients off by one extra 16-bit rounding), so for a
+// 16-bit output the heuristic may only pick algorithms that reduce in the compute type
+// (f32) or do not split K. An f32 output loses nothing either way and keeps them all.
+//
+// Every plan remembers the algorithm the heuristic chose (GemmAlgorithm), so a test that
+// finds a GEMM off can print which kernel, split and reduction produced it.
 #pragma once
 
 #include <cublasLt.h>
@@ -33,8 +47,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "llmpar/backend/cuda/check.hpp"
 #include "llmpar/core/dtype.hpp"
@@ -73,6 +89,71 @@ struct GemmOp {
 };
 
 enum class Fp32Math : std::uint8_t { strict, tf32 };
+
+// The algorithm cuBLASLt's heuristic chose for a plan, as its configuration attributes
+// report it: what to print when a GEMM's result is off.
+struct GemmAlgorithm {
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  int id = -1;                        // CUBLASLT_ALGO_CONFIG_ID
+  std::uint32_t tile = 0;             // CUBLASLT_ALGO_CONFIG_TILE_ID (cublasLtMatmulTile_t)
+  std::uint32_t stages = 0;           // CUBLASLT_ALGO_CONFIG_STAGES_ID
+  int split_k = 1;                    // CUBLASLT_ALGO_CONFIG_SPLITK_NUM
+  std::uint32_t reduction = 0;        // CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME (cublasLtReductionScheme_t)
+  std::uint64_t numerics = 0;         // CUBLASLT_ALGO_CAP_NUMERICAL_IMPL_FLAGS
+  std::size_t workspace_bytes = 0;    // the heuristic's workspace size for it
+  bool restricted_reduction = false;  // the heuristic was limited to reductions in the compute type
+
+  // "algo 21 tile 15 stages 8 split-K 1 (no reduction), compute 32F, FMA input 32F accumulator 32F, workspace 0 B"
+  std::string describe() const {
+    std::string out = "algo " + std::to_string(id) + " tile " + std::to_string(tile) + " stages " +
+                      std::to_string(stages) + " split-K " + std::to_string(split_k) + " (";
+    switch (reduction) {
+      case CUBLASLT_REDUCTION_SCHEME_NONE:
+        out += "no reduction";
+        break;
+      case CUBLASLT_REDUCTION_SCHEME_INPLACE:
+        out += "reduced in place in the output type";
+        break;
+      case CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+        out += "reduced in the compute type";
+        break;
+      case CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE:
+        out += "reduced in the output type";
+        break;
+      default:
+        out += reduction == ~0u ? "reduction not reported" : "reduction " + std::to_string(reduction);
+    }
+    out += restricted_reduction ? ", output-type reductions excluded), compute " : "), compute ";
+    switch (compute) {
+      case CUBLAS_COMPUTE_32F:
+        out += "32F";
+        break;
+      case CUBLAS_COMPUTE_32F_PEDANTIC:
+        out += "32F_PEDANTIC";
+        break;
+      case CUBLAS_COMPUTE_32F_FAST_TF32:
+        out += "32F_FAST_TF32";
+        break;
+      default:
+        out += std::to_string(static_cast<int>(compute));
+    }
+    out += ",";
+    const std::pair<std::uint64_t, const char*> flags[] = {
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_FMA, " FMA"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_HMMA, " HMMA"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_16F, " input 16F"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_16BF, " input 16BF"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_TF32, " input TF32"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_32F, " input 32F"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_ACCUMULATOR_16F, " accumulator 16F"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_ACCUMULATOR_32F, " accumulator 32F"},
+        {CUBLASLT_NUMERICAL_IMPL_FLAGS_GAUSSIAN, " gaussian"},
+    };
+    for (const auto& [bit, name] : flags)
+      if ((numerics & bit) != 0) out += name;
+    return out + ", workspace " + std::to_string(workspace_bytes) + " B";
+  }
+};
 
 namespace detail {
 
@@ -168,6 +249,43 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, co
   LLMPAR_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
 
+template <class V>
+void set(cublasLtMatmulPreference_t preference, cublasLtMatmulPreferenceAttributes_t attribute, const V& value) {
+  LLMPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)));
+}
+
+// An algorithm configuration attribute; V is the attribute's documented type. Only a
+// description reads these, so an attribute cuBLASLt will not report keeps `fallback`
+// rather than failing the GEMM.
+template <class V>
+V config_of(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute, V fallback) {
+  V value{};
+  std::size_t written = 0;
+  return cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) ==
+                 CUBLAS_STATUS_SUCCESS
+             ? value
+             : fallback;
+}
+
+inline GemmAlgorithm describe(const cublasLtMatmulHeuristicResult_t& result, cublasComputeType_t compute,
+                              bool restricted_reduction) {
+  const cublasLtMatmulAlgo_t& algo = result.algo;
+  GemmAlgorithm out;
+  out.compute = compute;
+  out.id = config_of<std::int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID, -1);
+  out.tile = config_of<std::uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, 0);
+  out.stages = config_of<std::uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, 0);
+  out.split_k = config_of<std::int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, -1);
+  out.reduction = config_of<std::uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ~0u);
+  std::size_t written = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_NUMERICAL_IMPL_FLAGS, &out.numerics,
+                                        sizeof(out.numerics), &written) != CUBLAS_STATUS_SUCCESS)
+    out.numerics = 0;
+  out.workspace_bytes = result.workspaceSize;
+  out.restricted_reduction = restricted_reduction;
+  return out;
+}
+
 }  // namespace detail
 
 // A cuBLASLt handle, its workspace and the per-shape plan cache. One per rank (it is
@@ -194,18 +312,7 @@ class Blas {
   template <class T, class TC = T>
   void gemm(cudaStream_t stream, TC* c, const T* a, const T* b, const T* bias, const T* aux, std::int64_t m,
             std::int64_t n, std::int64_t k, GemmOp op) {
-    static_assert(std::is_same_v<TC, T> || std::is_same_v<TC, float>,
-                  "llmpar: a GEMM writes its storage type or f32 (main grads)");
-    LLMPAR_CHECK((std::is_same_v<TC, T> || op.epilogue == Epilogue::none), "gemm: epilogue ",
-                 detail::name_of(op.epilogue), " with an f32 output of ", name_of(dtype_of<T>()),
-                 " operands; epilogues run on GEMMs whose output is their operands' type");
-    LLMPAR_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm sizes must be >= 0, got M=", m, " N=", n, " K=", k);
-    LLMPAR_CHECK(!detail::uses_bias(op.epilogue) || bias != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
-                 " needs a bias pointer; pass one or use Epilogue::none");
-    LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || aux != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
-                 " needs an aux pointer (the GELU input, (M, N)); pass one");
-    LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || n % 8 == 0, "gemm epilogue ", detail::name_of(op.epilogue),
-                 " needs N (", n, ") to be a multiple of 8, cuBLASLt's rule for the GELU input's stride");
+    check_arguments<T, TC>(bias, aux, m, n, k, op);
     if (m == 0 || n == 0) return;
     constexpr cudaDataType_t type = detail::cuda_type<T>();
     constexpr cudaDataType_t out_type = detail::cuda_type<TC>();
@@ -224,6 +331,7 @@ class Blas {
     auto it = plans_.find(key);
     if (it == plans_.end()) it = plans_.emplace(key, make_plan<T, TC>(cm, cn, k, op, a, b, c, bias, aux)).first;
     Plan& plan = it->second;
+    last_ = &plan.algorithm;
     if (detail::uses_bias(op.epilogue)) detail::set(plan.desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
     if (detail::uses_aux(op.epilogue)) detail::set(plan.desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
     const float alpha = 1.0f;
@@ -235,7 +343,28 @@ class Blas {
         "GEMM M=", m, " N=", n, " K=", k, " epilogue ", detail::name_of(op.epilogue));
   }
 
+  // gemm()'s argument checks, which need no device: throws llmpar::Error naming the
+  // value and the rule.
+  template <class T, class TC = T>
+  static void check_arguments(const T* bias, const T* aux, std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op) {
+    static_assert(std::is_same_v<TC, T> || std::is_same_v<TC, float>,
+                  "llmpar: a GEMM writes its storage type or f32 (main grads)");
+    LLMPAR_CHECK((std::is_same_v<TC, T> || op.epilogue == Epilogue::none), "gemm: epilogue ",
+                 detail::name_of(op.epilogue), " with an f32 output of ", name_of(dtype_of<T>()),
+                 " operands; epilogues run on GEMMs whose output is their operands' type");
+    LLMPAR_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm sizes must be >= 0, got M=", m, " N=", n, " K=", k);
+    LLMPAR_CHECK(!detail::uses_bias(op.epilogue) || bias != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
+                 " needs a bias pointer; pass one or use Epilogue::none");
+    LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || aux != nullptr, "gemm epilogue ", detail::name_of(op.epilogue),
+                 " needs an aux pointer (the GELU input, (M, N)); pass one");
+    LLMPAR_CHECK(!detail::uses_aux(op.epilogue) || n % 8 == 0, "gemm epilogue ", detail::name_of(op.epilogue),
+                 " needs N (", n, ") to be a multiple of 8, cuBLASLt's rule for the GELU input's stride");
+  }
+
   std::size_t cached_plans() const { return plans_.size(); }
+  // The algorithm of the most recent gemm() call (nullptr before the first, or when it
+  // returned early on an empty output).
+  const GemmAlgorithm* last_algorithm() const { return last_; }
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   Fp32Math fp32_math() const { return fp32_; }
 
@@ -245,6 +374,7 @@ class Blas {
     detail::MatmulDesc desc;
     detail::Layout first, second, out;
     cublasLtMatmulAlgo_t algo;
+    GemmAlgorithm algorithm;
   };
   struct HandleDeleter {
     void operator()(cublasLtContext* h) const noexcept { cublasLtDestroy(h); }
@@ -284,9 +414,18 @@ class Blas {
     cublasLtMatmulPreference_t preference = nullptr;
     LLMPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
     const detail::Preference owned(preference);
-    const std::uint64_t workspace = workspace_bytes_;
-    LLMPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                             &workspace, sizeof(workspace)));
+    detail::set(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, std::uint64_t{workspace_bytes_});
+    // A 16-bit output: no split-K reduction in the output type (see the note at the top).
+    constexpr bool kRestrictReduction = !std::is_same_v<TC, float>;
+    if constexpr (kRestrictReduction)
+      detail::set(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                  std::uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
+    // Strict fp32: no algorithm that rounds its inputs to TF32, bf16 or f16.
+    if (compute == CUBLAS_COMPUTE_32F && std::is_same_v<T, float>)
+      detail::set(preference, CUBLASLT_MATMUL_PREF_IMPL_MASK,
+                  static_cast<std::uint64_t>(~(CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_TF32 |
+                                               CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_16F |
+                                               CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_16BF)));
     const auto set_alignment = [&](cublasLtMatmulPreferenceAttributes_t attribute, const void* p) {
       const auto bytes = static_cast<std::uint32_t>(detail::alignment_of(p));
       LLMPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &bytes, sizeof(bytes)));
@@ -303,8 +442,10 @@ class Blas {
     LLMPAR_CHECK(found > 0, "cuBLASLt has no algorithm for the ", name_of(dtype_of<T>()), " GEMM (",
                  name_of(dtype_of<TC>()), " output) M=", cn, " N=", cm, " K=", k, " trans_a=", op.trans_a,
                  " trans_b=", op.trans_b, " epilogue ", detail::name_of(op.epilogue),
+                 kRestrictReduction ? " among those that do not reduce split-K partials in the 16-bit output type" : "",
                  "; check the operands' alignment (16 bytes is best) and sizes");
     plan.algo = result.algo;
+    plan.algorithm = detail::describe(result, compute, kRestrictReduction);
     return plan;
   }
 
@@ -313,6 +454,7 @@ class Blas {
   std::unique_ptr<void, DeviceFree> workspace_;
   std::size_t workspace_bytes_ = 0;
   std::map<Key, Plan> plans_;
+  const GemmAlgorithm* last_ = nullptr;  // points into plans_ (std::map nodes do not move)
 };
 
 // The data sheet's dense peak of a device in TFLOP/s for GEMMs of storage type `dtype`:
