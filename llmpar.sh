@@ -55,7 +55,7 @@ LLMPAR_PACKAGES=(
   libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev doctest-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   fortunes
-  # The documentation corpus (prepare_data --corpus docs, data/docs.hpp): 31 MB of
+  # The documentation corpus (prepare_data --corpus docs, examples/docs_corpus.hpp): 31 MB of
   # English prose from the kernel, Python, Perl and LLVM manuals, for scaling-law sweeps.
   linux-doc-6.1 python3.11-doc perl-doc llvm-15-doc
   python3-matplotlib python3-numpy python3-venv

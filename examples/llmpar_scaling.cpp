@@ -8,7 +8,7 @@
 // What it does, in order (each run is train_gpt, its log and metrics in OUT/runs/):
 //  1. Learning rate (--lr-sweep, on by default): a short sweep of learning rates at two
 //     widths (4x and 16x the family's smallest; the narrower is µP's base width), in
-//     the standard parametrisation and in µP (plan::rate_rule). Where µP's best
+//     the standard parametrisation and in µP (scaling::rate_rule). Where µP's best
 //     rate stays put between the widths and µP trains the wider model within 0.5% of
 //     SP's best loss, every run that follows trains in µP at the base width's best rate;
 //     otherwise they train in SP at the rate SP's own best rates give,
@@ -16,16 +16,16 @@
 //  2. The fit sweep: nine models, the five of one family spanning 44x in parameters (width
 //     and depth grown together, head dimension fixed) and one between each two, each trained
 //     for `--tokens-per-param` (20, Chinchilla) tokens per parameter in steps of a batch
-//     that grows with compute (plan::BatchRule: one sequence at the smallest run, --batch
+//     that grows with compute (scaling::BatchRule: one sequence at the smallest run, --batch
 //     at the held-out one), and each the best of a walk over learning rates a factor 2
-//     apart (plan::next_rate) centred where the sizes before it point (plan::RateTrend);
+//     apart (scaling::next_rate) centred where the sizes before it point (scaling::RateTrend);
 //     a size's loss is the mean of --seeds (3) runs at its best rate.
 //  3. The plateau: sizes whose loss is not 1% below the bigram loss of the data
 //     (data::bigram_cross_entropy) have not learned to use context yet; the fits leave
 //     them out (the report lists them). The two smallest sizes in the fit also train at
 //     1/4 and 4x the ratio, at the trend's rate: the Chinchilla fit needs runs where N and
 //     D do not move together.
-//  4. The fits (plan/scaling.hpp): L(C) = a·C^b + c over the rule's runs, L(N, D) = E +
+//  4. The fits (scaling_law.hpp): L(C) = a·C^b + c over the rule's runs, L(N, D) = E +
 //     A/N^α + B/D^β over those and the off-rule runs, with bootstrap intervals, and the
 //     power law's interval from the fit sizes' seeds alone (the training noise).
 //  5. The held-out model: one with at least 10x the compute of the largest fit run,
@@ -53,8 +53,8 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/models/gpt2.hpp"
-#include "llmpar/plan/scaling.hpp"
 #include "llmpar/train/metrics.hpp"
+#include "scaling_law.hpp"
 #include "subprocess.hpp"
 
 using namespace llmpar;
@@ -142,7 +142,7 @@ struct Run {
   double tokens = 0.0, lr = 0.0;
   bool mup = true;
   std::int64_t mup_base = 32;
-  std::int64_t batch = 16;  // sequences per step, over all ranks (plan::BatchRule)
+  std::int64_t batch = 16;  // sequences per step, over all ranks (scaling::BatchRule)
   int seed = 0;             // of initialisation and data order: train_gpt --seed kBaseSeed + seed
   double init_std = 0.02;   // train_gpt --init-std (init_std_of)
   double beta2 = 0.95;      // train_gpt --beta2
@@ -338,7 +338,7 @@ class Sweep {
   }
 
  public:
-  static constexpr plan::ChinchillaFit kSynthetic{.E = 0.9, .A = 45.0, .B = 180.0, .alpha = 0.34, .beta = 0.36};
+  static constexpr scaling::ChinchillaFit kSynthetic{.E = 0.9, .A = 45.0, .B = 180.0, .alpha = 0.34, .beta = 0.36};
 
  private:
   SweepConfig c_;
@@ -356,8 +356,8 @@ std::string size_name(double params) {
 
 // The part of the held-out prediction's uncertainty that is the fit runs' training
 // noise: the prediction's interval when only each size's seeds are resampled.
-void print_seed_noise(const plan::ScalingReport& report) {
-  const plan::HeldOutPrediction& p = report.predictions.front();
+void print_seed_noise(const scaling::ScalingReport& report) {
+  const scaling::HeldOutPrediction& p = report.predictions.front();
   if (!p.seed_noise) {
     std::printf("  training noise: not measured (no fit size has two seeds; --seeds 3 measures it)\n");
     return;
@@ -370,10 +370,10 @@ void print_seed_noise(const plan::ScalingReport& report) {
 }
 
 // How the rule reads in the log.
-std::string describe(const plan::RateRule& r) {
+std::string describe(const scaling::RateRule& r) {
   char s[160];
   std::snprintf(s, sizeof s, "learning rate: %s, %.3g at width %lld, x (%lld / width)^%.2f (",
-                plan::parametrization_name(r.parametrization), r.lr, static_cast<long long>(r.base_width),
+                scaling::parametrization_name(r.parametrization), r.lr, static_cast<long long>(r.base_width),
                 static_cast<long long>(r.base_width), r.exponent);
   return s + r.why + ")";
 }
@@ -395,7 +395,7 @@ int run_sweep(const SweepConfig& c) {
   const Shape held = smallest_above(fit_max * std::sqrt(10.0), c);
   auto rule_flops = [&](const Shape& s) { return flops_of(s, c.tokens_per_param * params_of(s, c), c); };
   // Sequences per step: 1 (per rank) at the smallest fit run, --batch at the held-out one.
-  const plan::BatchRule batch{
+  const scaling::BatchRule batch{
       .c_min = rule_flops(fit_shapes.front()), .c_max = rule_flops(held), .largest = c.batch, .multiple = c.ranks};
   batch.validate();
   std::printf("batch: %lld sequences per step at %.2e FLOPs to %lld at %.2e, as C^%.3f\n",
@@ -415,7 +415,7 @@ int run_sweep(const SweepConfig& c) {
   const Shape sweep_base{2, base_width};
   const double sweep_tokens = std::round(4.0 * params_of(sweep_base, c));
   const std::int64_t sweep_batch = batch.at(flops_of(sweep_base, sweep_tokens, c));
-  std::vector<plan::LrSweepPoint> lr_sweep;
+  std::vector<scaling::LrSweepPoint> lr_sweep;
   if (c.lr_sweep) {
     for (bool mup : {false, true})
       for (std::int64_t width : {base_width, 4 * base_width})
@@ -435,21 +435,21 @@ int run_sweep(const SweepConfig& c) {
                         static_cast<long long>(sweep_batch), lr);
           r.name = name;
           sweep.train(r, ++index);
-          lr_sweep.push_back({mup ? plan::Parametrization::mup : plan::Parametrization::sp, width, lr, r.loss});
+          lr_sweep.push_back({mup ? scaling::Parametrization::mup : scaling::Parametrization::sp, width, lr, r.loss});
         }
   }
-  std::optional<plan::RateRule> chosen;
-  if (c.lr_sweep && !c.lr) chosen = plan::rate_rule(lr_sweep, base_width, 4 * base_width, c.mup);
-  const plan::RateRule rate =
-      chosen.value_or(plan::RateRule{.parametrization = c.mup ? plan::Parametrization::mup : plan::Parametrization::sp,
-                                     .lr = c.lr.value_or(4e-3),
-                                     .base_width = base_width,
-                                     .why = c.lr ? "--lr" : "the default without the sweep"});
+  std::optional<scaling::RateRule> chosen;
+  if (c.lr_sweep && !c.lr) chosen = scaling::rate_rule(lr_sweep, base_width, 4 * base_width, c.mup);
+  const scaling::RateRule rate = chosen.value_or(
+      scaling::RateRule{.parametrization = c.mup ? scaling::Parametrization::mup : scaling::Parametrization::sp,
+                        .lr = c.lr.value_or(4e-3),
+                        .base_width = base_width,
+                        .why = c.lr ? "--lr" : "the default without the sweep"});
   std::printf("%s\n", describe(rate).c_str());
 
   // 2. The fit sweep, and the off-rule runs of the two smallest models. Each is the best
-  //    of a walk over rates a factor 2 apart (plan::next_rate), centred where the best
-  //    rates of the sizes before it point (plan::RateTrend), or for the first two where
+  //    of a walk over rates a factor 2 apart (scaling::next_rate), centred where the best
+  //    rates of the sizes before it point (scaling::RateTrend), or for the first two where
   //    the rule points (scaled by sqrt(batch / the sweep's batch), Adam's rule for a
   //    smaller batch). A fit over one rate for every size would measure how far each is
   //    from its best rate as much as the model.
@@ -464,7 +464,7 @@ int run_sweep(const SweepConfig& c) {
     r.params = params_of(s, c);
     r.tokens = std::round(ratio * r.params);
     r.batch = batch.at(flops_of(s, r.tokens, c));
-    r.mup = rate.parametrization == plan::Parametrization::mup;
+    r.mup = rate.parametrization == scaling::Parametrization::mup;
     r.mup_base = base_width;
     r.init_std = init_std_of(s, r.mup, base_width, c);
     r.beta2 = c.beta2;
@@ -481,7 +481,7 @@ int run_sweep(const SweepConfig& c) {
   };
   std::vector<std::pair<double, double>> trend_points;  // (FLOPs, best rate) of the tuned fit sizes
   auto center_of = [&](const Run& r) {
-    if (trend_points.size() >= 2) return plan::fit_rate_trend(trend_points).at(flops_of(r.shape, r.tokens, c));
+    if (trend_points.size() >= 2) return scaling::fit_rate_trend(trend_points).at(flops_of(r.shape, r.tokens, c));
     return rate.at(r.shape.dim) * std::sqrt(static_cast<double>(r.batch) / static_cast<double>(sweep_batch));
   };
   struct Tuned {
@@ -506,13 +506,13 @@ int run_sweep(const SweepConfig& c) {
       tried.emplace_back(r.lr, r.loss);
       walk.push_back(r);
     }
-    while (const std::optional<double> lr = plan::next_rate(tried, center, 2.0, 6)) {
+    while (const std::optional<double> lr = scaling::next_rate(tried, center, 2.0, 6)) {
       Run r = at_rate(probe, *lr);
       sweep.train(r, ++index);
       tried.emplace_back(r.lr, r.loss);
       walk.push_back(r);
     }
-    std::vector<plan::LrSweepPoint> curve;
+    std::vector<scaling::LrSweepPoint> curve;
     const Run* best = nullptr;
     for (const Run& r : walk) {
       curve.push_back({rate.parametrization, s.dim, r.lr, r.loss});
@@ -520,7 +520,7 @@ int run_sweep(const SweepConfig& c) {
     }
     LLMPAR_CHECK(best != nullptr, "every rate of the walk diverged for the ", role, " run of ", s.layers,
                  " layers at width ", s.dim, "; see ", c.out, "/runs/");
-    const double vertex = plan::best_rate(curve, rate.parametrization, s.dim);
+    const double vertex = scaling::best_rate(curve, rate.parametrization, s.dim);
     std::printf("  best: val loss %.4f at lr %.3g (the parabola's vertex: %.3g)\n", best->loss, best->lr, vertex);
     trend_points.emplace_back(best->flops, vertex);
     // The size's loss: the mean over --seeds runs at the best rate (the walk's and
@@ -569,9 +569,9 @@ int run_sweep(const SweepConfig& c) {
   LLMPAR_CHECK(fit.size() >= 4, "only ", fit.size(), " of the ", sizes.size(), " fit sizes reached a loss ",
                100.0 * kPlateauMargin, "% below the bigram loss ", bigram,
                "; the power law needs 4. Give more compute (--budget) or more tokens per parameter");
-  std::optional<plan::RateTrend> trend;
+  std::optional<scaling::RateTrend> trend;
   if (tuning) {
-    trend = plan::fit_rate_trend(fit_rates);
+    trend = scaling::fit_rate_trend(fit_rates);
     std::printf("best rate against compute: %.3g x (C / %.2e)^%.3f\n", trend->lr_ref, trend->c_ref, trend->exponent);
   }
   // The off-rule runs of the two smallest sizes in the fit, once each at the trend's rate.
@@ -587,12 +587,12 @@ int run_sweep(const SweepConfig& c) {
 
   // 3. The fits, before the held-out run: the prediction is made without it.
   auto scaling_run = [&](const Run& r) {
-    return plan::ScalingRun{r.name, r.params, tokens_of(r, c), flops_of(r.shape, tokens_of(r, c), c), r.loss};
+    return scaling::ScalingRun{r.name, r.params, tokens_of(r, c), flops_of(r.shape, tokens_of(r, c), c), r.loss};
   };
-  std::vector<plan::ScalingRun> rule, all;
+  std::vector<scaling::ScalingRun> rule, all;
   for (const Run& r : fit) rule.push_back(scaling_run(r));
   for (const Run& r : off_rule) all.push_back(scaling_run(r));
-  std::vector<plan::ScalingRun> below;
+  std::vector<scaling::ScalingRun> below;
   for (const Run& r : excluded) below.push_back(scaling_run(r));
   char why[160];
   std::snprintf(why, sizeof why, "val loss not %g%% below the bigram loss %.4f of the validation tokens",
@@ -600,32 +600,32 @@ int run_sweep(const SweepConfig& c) {
   const Run held_shape = shaped(held, c.tokens_per_param, "held-out");
   Run h =
       at_rate(held_shape, c.lr ? *c.lr : (trend ? trend->at(flops_of(held, held_shape.tokens, c)) : rate.at(held.dim)));
-  plan::ScalingRun held_run = scaling_run(h);
+  scaling::ScalingRun held_run = scaling_run(h);
   held_run.loss = 1.0;
-  plan::ScalingReport before = plan::make_report(rule, {held_run}, {}, all, fit_seeds);
-  const plan::Prediction p = before.predictions.front().power_law;
+  scaling::ScalingReport before = scaling::make_report(rule, {held_run}, {}, all, fit_seeds);
+  const scaling::Prediction p = before.predictions.front().power_law;
   std::printf("prediction for %s (%s params, %.2e FLOPs, %.1fx the largest fit run): val loss %.4f [%.4f, %.4f]\n",
               h.name.c_str(), size_name(h.params).c_str(), held_run.flops, held_run.flops / rule.back().flops, p.value,
               p.lo, p.hi);
   print_seed_noise(before);
   // 4. The held-out run.
   sweep.train(h, ++index);
-  plan::ScalingRun achieved = held_run;
+  scaling::ScalingRun achieved = held_run;
   achieved.loss = h.loss;
-  plan::ScalingReport report = plan::make_report(rule, {achieved}, {}, all, fit_seeds);
+  scaling::ScalingReport report = scaling::make_report(rule, {achieved}, {}, all, fit_seeds);
   report.lr_sweep = lr_sweep;
   report.rate_rule = chosen;
   report.rate_trend = trend;
   report.excluded_runs = below;
   if (!below.empty()) report.excluded_why = why;
 
-  const plan::PowerLawFit& f = report.power_law.fit;
-  const plan::PowerLawBootstrap& fb = report.power_law.bootstrap;
+  const scaling::PowerLawFit& f = report.power_law.fit;
+  const scaling::PowerLawBootstrap& fb = report.power_law.bootstrap;
   std::printf("L(C) = a·C^b + c: a = %.4g [%.4g, %.4g], b = %.4f [%.4f, %.4f], c = %.4f [%.4f, %.4f]\n", f.a, fb.a.lo,
               fb.a.hi, f.b, fb.b.lo, fb.b.hi, f.c, fb.c.lo, fb.c.hi);
   if (report.chinchilla) {
-    const plan::ChinchillaFit& g = report.chinchilla->fit;
-    const plan::ChinchillaBootstrap& gb = report.chinchilla->bootstrap;
+    const scaling::ChinchillaFit& g = report.chinchilla->fit;
+    const scaling::ChinchillaBootstrap& gb = report.chinchilla->bootstrap;
     std::printf(
         "L(N, D) = E + A/N^α + B/D^β: E = %.4f [%.4f, %.4f], A = %.4g, B = %.4g, α = %.3f [%.3f, %.3f], β = %.3f "
         "[%.3f, %.3f]\n",
@@ -633,7 +633,7 @@ int run_sweep(const SweepConfig& c) {
   } else {
     std::printf("%s\n", report.chinchilla_note.c_str());
   }
-  const plan::HeldOutPrediction& hp = report.predictions.front();
+  const scaling::HeldOutPrediction& hp = report.predictions.front();
   std::printf("held-out %s: achieved %.4f, predicted %.4f [%.4f, %.4f] (%+.2f%%)%s\n", hp.name.c_str(), hp.achieved,
               hp.power_law.value, hp.power_law.lo, hp.power_law.hi, 100 * hp.relative_error(), hp.chinchilla ? "" : "");
   if (hp.chinchilla)
@@ -641,13 +641,13 @@ int run_sweep(const SweepConfig& c) {
                 hp.chinchilla->hi, 100 * hp.chinchilla_relative_error());
   print_seed_noise(report);
   const std::string json = (fs::path(c.out) / "scaling.json").string();
-  std::ofstream(json) << plan::to_json(report).dump(2) << "\n";
-  plan::write_csv((fs::path(c.out) / "runs.csv").string(), report);
+  std::ofstream(json) << scaling::to_json(report).dump(2) << "\n";
+  scaling::write_csv((fs::path(c.out) / "runs.csv").string(), report);
   std::printf("report: %s, %s/runs.csv\n", json.c_str(), c.out.c_str());
   if (c.synthetic) {
     // The fit must recover the law the losses came from.
     if (!report.chinchilla) return 1;
-    const plan::ChinchillaFit& g = report.chinchilla->fit;
+    const scaling::ChinchillaFit& g = report.chinchilla->fit;
     const auto& k = Sweep::kSynthetic;
     const bool ok = std::abs(g.alpha - k.alpha) < 0.05 && std::abs(g.beta - k.beta) < 0.05 &&
                     std::abs(g.E - k.E) < 0.05 && std::abs(hp.relative_error()) < 0.02;
@@ -674,8 +674,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokens-per-param", c.tokens_per_param, "Tokens per parameter of the rule's runs")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "Sequence length")->capture_default_str();
-  app.add_option("--batch", c.batch,
-                 "Sequences per step of the held-out run (over all ranks); smaller runs take fewer (plan::BatchRule)")
+  app.add_option(
+         "--batch", c.batch,
+         "Sequences per step of the held-out run (over all ranks); smaller runs take fewer (scaling::BatchRule)")
       ->capture_default_str();
   app.add_option("--ranks", c.ranks, "Data-parallel thread ranks of every run")->capture_default_str();
   app.add_option("--lr", lr,

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "docs_corpus.hpp"
 #include "llmpar/data/dataset.hpp"
-#include "llmpar/data/docs.hpp"
 #include "llmpar/data/shard.hpp"
 #include "llmpar/data/tokenizer.hpp"
 
@@ -33,6 +33,7 @@ void append(std::vector<std::uint16_t>& to, const std::vector<std::uint16_t>& fr
 
 int main(int argc, char** argv) {
   namespace data = llmpar::data;
+  namespace docs = llmpar::docs;
   try {
     CLI::App app{"Tokenize text into llm.c token shards PREFIX_train.bin and PREFIX_val.bin (byte tokenizer)."};
     std::string out;
@@ -55,9 +56,9 @@ int main(int argc, char** argv) {
     app.add_option("files", files, "Text files to tokenize");
     CLI11_PARSE(app, argc, argv);
     if (app.count("--fortunes-dir") > 0 || corpus_name == "fortunes") fortunes = true;
-    const bool docs = corpus_name == "docs";
+    const bool manuals = corpus_name == "docs";
 
-    if (files.empty() && !fortunes && !docs) {
+    if (files.empty() && !fortunes && !manuals) {
       std::cerr << "prepare_data: no input; give text FILEs, or --corpus fortunes|docs for a built-in corpus\n"
                 << app.help();
       return 1;
@@ -83,14 +84,14 @@ int main(int argc, char** argv) {
                 << f.files.size() << " files in " << fortunes_dir << "\n";
       corpus = std::move(f);
     }
-    if (docs) {
-      const data::DocsCorpus d = data::load_docs_corpus(val_fraction, tokenizer);
-      for (const data::DocsSourceStats& s : d.sources)
+    if (manuals) {
+      const docs::DocsCorpus d = docs::load_docs_corpus(val_fraction, tokenizer);
+      for (const docs::DocsSourceStats& s : d.sources)
         std::cout << "  " << s.package << ": " << s.files << " files, " << s.documents << " documents, " << s.bytes
                   << " bytes of prose\n";
       std::cout << "read " << d.files.size() << " documentation files (" << d.source_bytes << " bytes): " << d.documents
                 << " documents kept (" << d.val_documents << " for validation); dropped " << d.duplicates
-                << " duplicates and " << d.short_docs << " with under " << data::kMinDocsDocumentBytes
+                << " duplicates and " << d.short_docs << " with under " << docs::kMinDocsDocumentBytes
                 << " bytes of prose\n";
       append(corpus.train, d.train);
       append(corpus.val, d.val);

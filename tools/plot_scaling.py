@@ -3,7 +3,7 @@
 
   plot_scaling.py REPORT.json [--out scaling.png] [--title TEXT]
 
-The report is the JSON that llmpar::plan::to_json writes (include/llmpar/plan/scaling.hpp,
+The report is the JSON that llmpar::scaling::to_json writes (examples/scaling_law.hpp,
 format "llmpar-scaling-report", version 1): the runs fitted and the runs held out, the
 power law L(C) = a*C^b + c with its bootstrap intervals, a band of predicted loss and
 interval over compute, the prediction of each held-out run, Chinchilla's

@@ -1,4 +1,4 @@
-// Scaling-law fits (plan/scaling.hpp): the Huber loss and the log-sum-exp form at
+// Scaling-law fits (examples/scaling_law.hpp): the Huber loss and the log-sum-exp form at
 // hand-worked values; L-BFGS on Rosenbrock; both objectives' analytic gradients against
 // central differences; the power law in compute and Chinchilla's approach 3 recover the
 // parameters of synthetic losses (exactly without noise, within stated tolerances with
@@ -22,10 +22,10 @@
 
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
-#include "llmpar/plan/scaling.hpp"
+#include "scaling_law.hpp"
 
 using namespace llmpar;
-using plan::ScalingRun;
+using scaling::ScalingRun;
 
 namespace {
 
@@ -86,25 +86,25 @@ std::array<double, kDim> numeric_gradient(const F& f, std::array<double, kDim> t
 
 TEST_CASE("huber loss and its derivative at hand-worked values") {
   const double d = 1e-3;
-  CHECK(plan::huber(5e-4, d) == doctest::Approx(1.25e-7).epsilon(1e-12));  // r²/2
-  CHECK(plan::huber(3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));   // δ(|r| − δ/2) = 1e-3·2.5e-3
-  CHECK(plan::huber(-3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));
-  CHECK(plan::huber(0.0, d) == 0.0);
-  CHECK(plan::huber(d, d) == doctest::Approx(5e-7).epsilon(1e-12));  // both pieces meet at δ
-  CHECK(plan::huber(std::nextafter(d, 1.0), d) == doctest::Approx(5e-7).epsilon(1e-9));
-  CHECK(plan::huber_derivative(5e-4, d) == 5e-4);
-  CHECK(plan::huber_derivative(-5e-4, d) == -5e-4);
-  CHECK(plan::huber_derivative(3e-3, d) == 1e-3);
-  CHECK(plan::huber_derivative(-3e-3, d) == -1e-3);
-  CHECK(plan::huber(2.0, 0.5) == doctest::Approx(0.875));  // 0.5·(2 − 0.25)
+  CHECK(scaling::huber(5e-4, d) == doctest::Approx(1.25e-7).epsilon(1e-12));  // r²/2
+  CHECK(scaling::huber(3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));   // δ(|r| − δ/2) = 1e-3·2.5e-3
+  CHECK(scaling::huber(-3e-3, d) == doctest::Approx(2.5e-6).epsilon(1e-12));
+  CHECK(scaling::huber(0.0, d) == 0.0);
+  CHECK(scaling::huber(d, d) == doctest::Approx(5e-7).epsilon(1e-12));  // both pieces meet at δ
+  CHECK(scaling::huber(std::nextafter(d, 1.0), d) == doctest::Approx(5e-7).epsilon(1e-9));
+  CHECK(scaling::huber_derivative(5e-4, d) == 5e-4);
+  CHECK(scaling::huber_derivative(-5e-4, d) == -5e-4);
+  CHECK(scaling::huber_derivative(3e-3, d) == 1e-3);
+  CHECK(scaling::huber_derivative(-3e-3, d) == -1e-3);
+  CHECK(scaling::huber(2.0, 0.5) == doctest::Approx(0.875));  // 0.5·(2 − 0.25)
 }
 
 TEST_CASE("the log-sum-exp form equals E + A/N^alpha + B/D^beta") {
-  const plan::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
+  const scaling::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
   for (double n : {1e6, 3e8, 7e10}) {
     for (double d : {2e7, 6e9, 1.4e12}) {
       const double lse =
-          plan::log_sum_exp(std::log(kAn) - kAlpha * std::log(n), std::log(kBd) - kBeta * std::log(d), std::log(kE));
+          scaling::log_sum_exp(std::log(kAn) - kAlpha * std::log(n), std::log(kBd) - kBeta * std::log(d), std::log(kE));
       CHECK(std::exp(lse) == doctest::Approx(f.predict(n, d)).epsilon(1e-13));
     }
   }
@@ -112,15 +112,15 @@ TEST_CASE("the log-sum-exp form equals E + A/N^alpha + B/D^beta") {
   // that are E + A/N^α + B/D^β exactly, but not at losses 1% off.
   std::vector<ScalingRun> runs;
   for (double n : {1e6, 3e8, 7e10}) runs.push_back({"r", n, 20.0 * n, 120.0 * n * n, f.predict(n, 20.0 * n)});
-  const auto data = plan::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
-  const auto th = plan::detail::chinchilla_theta(data, f);
+  const auto data = scaling::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
+  const auto th = scaling::detail::chinchilla_theta(data, f);
   std::array<double, 5> g{};
-  CHECK(plan::detail::chinchilla_objective(data, th, g) < 1e-28);
+  CHECK(scaling::detail::chinchilla_objective(data, th, g) < 1e-28);
   for (ScalingRun& r : runs) r.loss *= 1.01;
-  const auto off = plan::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
-  CHECK(plan::detail::chinchilla_objective(off, th, g) == doctest::Approx(3 * plan::huber(std::log(1.01), 1e-3)));
+  const auto off = scaling::detail::chinchilla_data(runs, {1.0, 1.0, 1.0}, 1e-3);
+  CHECK(scaling::detail::chinchilla_objective(off, th, g) == doctest::Approx(3 * scaling::huber(std::log(1.01), 1e-3)));
   // Stable where e^x overflows.
-  CHECK(plan::log_sum_exp(1000.0, 1000.0, -5.0) == doctest::Approx(1000.0 + std::log(2.0 + std::exp(-1005.0))));
+  CHECK(scaling::log_sum_exp(1000.0, 1000.0, -5.0) == doctest::Approx(1000.0 + std::log(2.0 + std::exp(-1005.0))));
 }
 
 TEST_CASE("L-BFGS finds the minimum of the Rosenbrock function") {
@@ -129,7 +129,7 @@ TEST_CASE("L-BFGS finds the minimum of the Rosenbrock function") {
     g = {-2.0 * a - 400.0 * x[0] * b, 200.0 * b};
     return a * a + 100.0 * b * b;
   };
-  const auto r = plan::detail::minimize_lbfgs<2>(rosenbrock, {-1.2, 1.0}, plan::LbfgsOptions{});
+  const auto r = scaling::detail::minimize_lbfgs<2>(rosenbrock, {-1.2, 1.0}, scaling::LbfgsOptions{});
   CHECK(r.converged);
   CHECK(r.x[0] == doctest::Approx(1.0).epsilon(1e-6));
   CHECK(r.x[1] == doctest::Approx(1.0).epsilon(1e-6));
@@ -139,9 +139,9 @@ TEST_CASE("L-BFGS finds the minimum of the Rosenbrock function") {
 TEST_CASE("power-law objective: the analytic gradient equals central differences") {
   const std::vector<ScalingRun> runs = power_law_runs(0.01);
   // Multiplicities as a resample has them (one run left out, one drawn twice).
-  const auto d = plan::detail::power_law_data(runs, {1, 2, 0, 1, 1, 1}, 1e-3);
+  const auto d = scaling::detail::power_law_data(runs, {1, 2, 0, 1, 1, 1}, 1e-3);
   const auto f = [&](const std::array<double, 3>& th, std::array<double, 3>& g) {
-    return plan::detail::power_law_objective(d, th, g);
+    return scaling::detail::power_law_objective(d, th, g);
   };
   // Away from the optimum (every residual past δ) and near it (some within δ).
   for (const std::array<double, 3> th : {std::array<double, 3>{0.3, -0.2, 0.4}, {0.165, -0.276, 0.9}}) {
@@ -157,13 +157,13 @@ TEST_CASE("Chinchilla objective: the analytic gradient equals central difference
   std::vector<double> weight(runs.size(), 1.0);
   weight[3] = 0.0;
   weight[7] = 3.0;
-  const auto d = plan::detail::chinchilla_data(runs, weight, 1e-3);
+  const auto d = scaling::detail::chinchilla_data(runs, weight, 1e-3);
   const auto f = [&](const std::array<double, 5>& th, std::array<double, 5>& g) {
-    return plan::detail::chinchilla_objective(d, th, g);
+    return scaling::detail::chinchilla_objective(d, th, g);
   };
   for (const std::array<double, 5> th :
-       {plan::detail::chinchilla_theta(d, 5.0, 6.5, 0.6, 0.4, 0.2),
-        plan::detail::chinchilla_theta(d, std::log(kAn), std::log(kBd), std::log(kE), kAlpha, kBeta)}) {
+       {scaling::detail::chinchilla_theta(d, 5.0, 6.5, 0.6, 0.4, 0.2),
+        scaling::detail::chinchilla_theta(d, std::log(kAn), std::log(kBd), std::log(kE), kAlpha, kBeta)}) {
     std::array<double, 5> g{};
     f(th, g);
     const auto numeric = numeric_gradient<5>(f, th);
@@ -172,7 +172,7 @@ TEST_CASE("Chinchilla objective: the analytic gradient equals central difference
 }
 
 TEST_CASE("power law: exact losses give back a, b and c") {
-  const plan::PowerLawFit fit = plan::fit_power_law(power_law_runs());
+  const scaling::PowerLawFit fit = scaling::fit_power_law(power_law_runs());
   CHECK(relative(fit.a, kA) < 1e-4);
   CHECK(relative(fit.b, kB) < 1e-4);
   CHECK(relative(fit.c, kC) < 1e-4);
@@ -182,7 +182,7 @@ TEST_CASE("power law: exact losses give back a, b and c") {
 
 TEST_CASE("power law: with 0.5% noise the fit is close and the 95% interval at 10x the compute covers the truth") {
   const std::vector<ScalingRun> runs = power_law_runs(0.005);
-  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
   // Over 1000x of compute b and c trade against each other (this seed's fit has b =
   // -0.101, c = 1.456): the curve is pinned more tightly than either. The bounds are the
   // 99th percentiles over 200 noise seeds (0.046, 40% and 2.8%).
@@ -190,12 +190,12 @@ TEST_CASE("power law: with 0.5% noise the fit is close and the 95% interval at 1
   CHECK(relative(fit.c, kC) < 0.4);
   for (double flops : {1e17, 1e18, 1e19, 1e20, 1e21}) CHECK(relative(fit.predict(flops), power_law(flops)) < 0.03);
 
-  plan::BootstrapOptions options;
+  scaling::BootstrapOptions options;
   options.seed = 3;
-  const plan::PowerLawBootstrap boot = plan::bootstrap_power_law(runs, fit, options);
+  const scaling::PowerLawBootstrap boot = scaling::bootstrap_power_law(runs, fit, options);
   CHECK(boot.samples.size() + static_cast<std::size_t>(boot.degenerate) == 400u);
   CHECK(boot.degenerate > 0);  // 6 runs: 2% of the resamples keep fewer than 3
-  const plan::Interval at = boot.predict(1e21);
+  const scaling::Interval at = boot.predict(1e21);
   CHECK(at.lo <= power_law(1e21));
   CHECK(power_law(1e21) <= at.hi);
   // An interval, not everything: its width is 9% of the loss at the median seed, 18%
@@ -206,7 +206,7 @@ TEST_CASE("power law: with 0.5% noise the fit is close and the 95% interval at 1
 }
 
 TEST_CASE("Chinchilla: exact losses from the paper's fit give back its parameters") {
-  const plan::ChinchillaFit fit = plan::fit_chinchilla(chinchilla_runs());
+  const scaling::ChinchillaFit fit = scaling::fit_chinchilla(chinchilla_runs());
   CHECK(relative(fit.E, kE) < 1e-4);
   CHECK(relative(fit.A, kAn) < 1e-3);
   CHECK(relative(fit.B, kBd) < 1e-3);
@@ -216,7 +216,7 @@ TEST_CASE("Chinchilla: exact losses from the paper's fit give back its parameter
 
 TEST_CASE("Chinchilla: with 0.5% noise the fit is close and the bootstrap intervals cover the truth") {
   const std::vector<ScalingRun> runs = chinchilla_runs(0.005);
-  const plan::ChinchillaFit fit = plan::fit_chinchilla(runs);
+  const scaling::ChinchillaFit fit = scaling::fit_chinchilla(runs);
   // The bounds hold for 30 of 30 noise seeds (largest misses 0.063, 0.019, 8.5% and 2.5%;
   // this seed's: 0.017, 0.003, 1.7% and 0.5%), as do the intervals below.
   CHECK(std::abs(fit.alpha - kAlpha) < 0.07);
@@ -224,23 +224,23 @@ TEST_CASE("Chinchilla: with 0.5% noise the fit is close and the bootstrap interv
   CHECK(relative(fit.E, kE) < 0.1);
   CHECK(relative(fit.predict(1e10, 2e11), chinchilla(1e10, 2e11)) < 0.03);  // 10x beyond the largest N
 
-  plan::BootstrapOptions options;
+  scaling::BootstrapOptions options;
   options.resamples = 100;
   options.seed = 5;
-  const plan::ChinchillaBootstrap boot = plan::bootstrap_chinchilla(runs, fit, options);
+  const scaling::ChinchillaBootstrap boot = scaling::bootstrap_chinchilla(runs, fit, options);
   CHECK(boot.degenerate == 0);  // 25 runs: every resample keeps enough of them
   CHECK(boot.samples.size() == 100u);
   CHECK(boot.alpha.lo <= kAlpha);
   CHECK(kAlpha <= boot.alpha.hi);
   CHECK(boot.beta.lo <= kBeta);
   CHECK(kBeta <= boot.beta.hi);
-  const plan::Interval at = boot.predict(1e10, 2e11);
+  const scaling::Interval at = boot.predict(1e10, 2e11);
   CHECK(at.lo <= chinchilla(1e10, 2e11));
   CHECK(chinchilla(1e10, 2e11) <= at.hi);
 }
 
 TEST_CASE("Chinchilla: the compute-optimal allocation at hand-worked values") {
-  const plan::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
+  const scaling::ChinchillaFit f{kE, kAn, kBd, kAlpha, kBeta, 0.0, 1e-3};
   // G = (0.34·406.4 / (0.28·410.7))^(1/0.62) = (138.176 / 114.996)^1.6129 = 1.344711.
   CHECK(f.allocation_coefficient() == doctest::Approx(1.344711).epsilon(1e-6));
   // C = 6e21: C/6 = 1e21, (1e21)^(0.28/0.62) = 10^9.483871 = 3.04699e9, times G.
@@ -264,56 +264,56 @@ TEST_CASE("Chinchilla refuses runs that cannot identify it, and says what would"
     const double n = std::pow(10.0, 7.0 + 0.3 * i), d = 20.0 * n * (1.0 + 0.02 * (i % 2));
     collinear.push_back({detail::concat("c", i), n, d, 6.0 * n * d, chinchilla(n, d)});
   }
-  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(collinear), doctest::Contains("about the same tokens per parameter"),
+  CHECK_THROWS_WITH_AS(scaling::fit_chinchilla(collinear), doctest::Contains("about the same tokens per parameter"),
                        Error);
-  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(collinear), doctest::Contains("two or more tokens-per-parameter ratios"),
+  CHECK_THROWS_WITH_AS(scaling::fit_chinchilla(collinear), doctest::Contains("two or more tokens-per-parameter ratios"),
                        Error);
   // One model size, many token counts: A/N^α is a constant, as E is.
   std::vector<ScalingRun> one_size;
   for (int k = 0; k < 6; ++k) one_size.push_back({detail::concat("s", k), 1e8, 1e9 * (k + 1), 6e17 * (k + 1), 3.0});
-  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(one_size), doctest::Contains("two or more model sizes"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_chinchilla(one_size), doctest::Contains("two or more model sizes"), Error);
   // Too few runs.
   const std::vector<ScalingRun> runs = chinchilla_runs();
-  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(std::span(runs).first(5)),
+  CHECK_THROWS_WITH_AS(scaling::fit_chinchilla(std::span(runs).first(5)),
                        doctest::Contains("5 runs, but E + A/N^alpha + B/D^beta has 5 parameters and needs at least 6"),
                        Error);
 }
 
 TEST_CASE("the power law refuses too few runs, bad values, and losses that do not fall") {
   std::vector<ScalingRun> runs = power_law_runs();
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(std::span(runs).first(3)),
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(std::span(runs).first(3)),
                        doctest::Contains("3 runs, but L(C) = a*C^b + c has 3 parameters and needs at least 4"), Error);
   std::vector<ScalingRun> two_budgets = runs;
   for (ScalingRun& r : two_budgets) r.flops = r.flops < 1e18 ? 1e17 : 1e19;
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(two_budgets), doctest::Contains("2 distinct compute budget(s)"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(two_budgets), doctest::Contains("2 distinct compute budget(s)"), Error);
   std::vector<ScalingRun> bad = runs;
   bad[2].loss = -1.0;
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(bad), doctest::Contains("run 'run2' (3 of 6) has loss = -1"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(bad), doctest::Contains("run 'run2' (3 of 6) has loss = -1"), Error);
   bad = runs;
   bad[4].flops = std::numeric_limits<double>::quiet_NaN();
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(bad), doctest::Contains("run 'run4' (5 of 6) has flops = nan"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(bad), doctest::Contains("run 'run4' (5 of 6) has flops = nan"), Error);
   bad = runs;
   bad[1].tokens = 0.0;
-  CHECK_THROWS_WITH_AS(plan::fit_chinchilla(bad), doctest::Contains("run 'run1' (2 of 6) has tokens = 0"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_chinchilla(bad), doctest::Contains("run 'run1' (2 of 6) has tokens = 0"), Error);
   // Options are checked once, naming the field.
-  plan::PowerLawOptions options;
+  scaling::PowerLawOptions options;
   options.irreducible_starts = {0.5, 1.2};
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(runs, options), doctest::Contains("irreducible start 1.2"), Error);
-  CHECK_THROWS_WITH_AS(plan::bootstrap_power_law(runs, plan::fit_power_law(runs), {.resamples = 5}),
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(runs, options), doctest::Contains("irreducible start 1.2"), Error);
+  CHECK_THROWS_WITH_AS(scaling::bootstrap_power_law(runs, scaling::fit_power_law(runs), {.resamples = 5}),
                        doctest::Contains("bootstrap resamples 5; percentile intervals need at least 20"), Error);
   std::vector<ScalingRun> rising = runs;
   for (ScalingRun& r : rising) r.loss = 2.0 + 0.1 * std::log10(r.flops / 1e17);
-  CHECK_THROWS_WITH_AS(plan::fit_power_law(rising), doctest::Contains("the losses do not fall with compute"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_power_law(rising), doctest::Contains("the losses do not fall with compute"), Error);
 }
 
 TEST_CASE("the bootstrap is a function of its seed, and its intervals hold the fit") {
   const std::vector<ScalingRun> runs = power_law_runs(0.005);
-  const plan::PowerLawFit fit = plan::fit_power_law(runs);
-  plan::BootstrapOptions options;
+  const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
+  scaling::BootstrapOptions options;
   options.resamples = 60;
   options.seed = 42;
-  const plan::PowerLawBootstrap one = plan::bootstrap_power_law(runs, fit, options);
-  const plan::PowerLawBootstrap two = plan::bootstrap_power_law(runs, fit, options);
+  const scaling::PowerLawBootstrap one = scaling::bootstrap_power_law(runs, fit, options);
+  const scaling::PowerLawBootstrap two = scaling::bootstrap_power_law(runs, fit, options);
   REQUIRE(one.samples.size() == two.samples.size());
   CHECK(one.degenerate == two.degenerate);
   for (std::size_t i = 0; i < one.samples.size(); ++i) {
@@ -322,7 +322,7 @@ TEST_CASE("the bootstrap is a function of its seed, and its intervals hold the f
     CHECK(one.samples[i].c == two.samples[i].c);
   }
   options.seed = 43;
-  const plan::PowerLawBootstrap other = plan::bootstrap_power_law(runs, fit, options);
+  const scaling::PowerLawBootstrap other = scaling::bootstrap_power_law(runs, fit, options);
   CHECK((other.degenerate != one.degenerate || other.b.lo != one.b.lo || other.b.hi != one.b.hi));
 
   for (const auto& [interval, value] : {std::pair{one.a, fit.a}, {one.b, fit.b}, {one.c, fit.c}}) {
@@ -330,14 +330,14 @@ TEST_CASE("the bootstrap is a function of its seed, and its intervals hold the f
     CHECK(value <= interval.hi);
   }
   for (double flops : {1e17, 1e19, 1e21}) {
-    const plan::Interval i = one.predict(flops);
+    const scaling::Interval i = one.predict(flops);
     CHECK(i.lo <= fit.predict(flops));
     CHECK(fit.predict(flops) <= i.hi);
   }
   // A wider confidence gives a wider interval from the same resamples.
   options.seed = 42;
   options.confidence = 0.5;
-  const plan::PowerLawBootstrap narrow = plan::bootstrap_power_law(runs, fit, options);
+  const scaling::PowerLawBootstrap narrow = scaling::bootstrap_power_law(runs, fit, options);
   CHECK(narrow.b.lo >= one.b.lo);
   CHECK(narrow.b.hi <= one.b.hi);
   CHECK(narrow.b.hi - narrow.b.lo < one.b.hi - one.b.lo);
@@ -366,16 +366,16 @@ std::vector<std::vector<double>> seeds_of(std::vector<ScalingRun>& runs, int k, 
 }  // namespace
 
 TEST_CASE("seed bootstrap: equal seeds give the fit back, noisier seeds a wider interval around it") {
-  plan::BootstrapOptions options;
+  scaling::BootstrapOptions options;
   options.resamples = 60;
   options.seed = 5;
   {
     std::vector<ScalingRun> runs = power_law_runs();
     const std::vector<std::vector<double>> same = seeds_of(runs, 3, 0.0, 1);
-    const plan::PowerLawFit fit = plan::fit_power_law(runs);
-    const plan::PowerLawBootstrap boot = plan::seed_bootstrap_power_law(runs, same, fit, options);
+    const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
+    const scaling::PowerLawBootstrap boot = scaling::seed_bootstrap_power_law(runs, same, fit, options);
     CHECK(boot.samples.size() == 60u);  // every size kept: no resample is degenerate
-    const plan::Interval at = boot.predict(1e21);
+    const scaling::Interval at = boot.predict(1e21);
     CHECK(relative(at.lo, fit.predict(1e21)) < 1e-6);
     CHECK(relative(at.hi, fit.predict(1e21)) < 1e-6);
   }
@@ -385,14 +385,14 @@ TEST_CASE("seed bootstrap: equal seeds give the fit back, noisier seeds a wider 
   for (int n = 0; n < 2; ++n) {
     std::vector<ScalingRun> runs = power_law_runs();
     const std::vector<std::vector<double>> seeds = seeds_of(runs, 3, n == 0 ? 0.01 : 0.03, 9);
-    const plan::PowerLawFit fit = plan::fit_power_law(runs);
-    const plan::PowerLawBootstrap boot = plan::seed_bootstrap_power_law(runs, seeds, fit, options);
-    const plan::Interval at = boot.predict(1e21);
+    const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
+    const scaling::PowerLawBootstrap boot = scaling::seed_bootstrap_power_law(runs, seeds, fit, options);
+    const scaling::Interval at = boot.predict(1e21);
     CHECK(at.lo <= fit.predict(1e21));
     CHECK(fit.predict(1e21) <= at.hi);
     width[n] = at.hi - at.lo;
     // A function of its seed.
-    const plan::PowerLawBootstrap again = plan::seed_bootstrap_power_law(runs, seeds, fit, options);
+    const scaling::PowerLawBootstrap again = scaling::seed_bootstrap_power_law(runs, seeds, fit, options);
     REQUIRE(again.samples.size() == boot.samples.size());
     for (std::size_t i = 0; i < boot.samples.size(); ++i) CHECK(again.samples[i].b == boot.samples[i].b);
   }
@@ -401,73 +401,73 @@ TEST_CASE("seed bootstrap: equal seeds give the fit back, noisier seeds a wider 
   // A run trained once has no noise to resample: with one seed everywhere, the fit back.
   std::vector<ScalingRun> runs = power_law_runs(0.01);
   const std::vector<std::vector<double>> once = seeds_of(runs, 1, 0.0, 1);
-  const plan::PowerLawFit fit = plan::fit_power_law(runs);
-  const plan::Interval at = plan::seed_bootstrap_power_law(runs, once, fit, options).predict(1e20);
+  const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
+  const scaling::Interval at = scaling::seed_bootstrap_power_law(runs, once, fit, options).predict(1e20);
   CHECK(relative(at.hi, at.lo) < 1e-6);
 }
 
 TEST_CASE("seed bootstrap refuses seed losses that do not belong to the runs") {
   std::vector<ScalingRun> runs = power_law_runs();
   std::vector<std::vector<double>> seeds = seeds_of(runs, 2, 0.01, 3);
-  const plan::PowerLawFit fit = plan::fit_power_law(runs);
+  const scaling::PowerLawFit fit = scaling::fit_power_law(runs);
   std::vector<std::vector<double>> bad(seeds.begin(), seeds.end() - 1);
-  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+  CHECK_THROWS_WITH_AS(scaling::seed_bootstrap_power_law(runs, bad, fit),
                        doctest::Contains("seed losses: 5 lists for 6 runs; give one list per run"), Error);
   bad = seeds;
   bad[2].clear();
-  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+  CHECK_THROWS_WITH_AS(scaling::seed_bootstrap_power_law(runs, bad, fit),
                        doctest::Contains("seed losses: run run2 has none"), Error);
   bad = seeds;
   bad[1][0] = -1.0;
-  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+  CHECK_THROWS_WITH_AS(scaling::seed_bootstrap_power_law(runs, bad, fit),
                        doctest::Contains("run run1 has a seed loss -1; every seed's loss must be positive"), Error);
   bad = seeds;
   bad[4][1] *= 1.01;
-  CHECK_THROWS_WITH_AS(plan::seed_bootstrap_power_law(runs, bad, fit),
+  CHECK_THROWS_WITH_AS(scaling::seed_bootstrap_power_law(runs, bad, fit),
                        doctest::Contains("but the mean of its 2 seeds' losses is"), Error);
-  CHECK_THROWS_WITH_AS(plan::make_report(runs, {}, {}, {}, bad), doctest::Contains("run run4 has loss"), Error);
+  CHECK_THROWS_WITH_AS(scaling::make_report(runs, {}, {}, {}, bad), doctest::Contains("run run4 has loss"), Error);
 }
 
 TEST_CASE("the report with the fit runs' seeds: the seed interval of each prediction, and exact JSON") {
   std::vector<ScalingRun> runs = power_law_runs();
   const std::vector<std::vector<double>> seeds = seeds_of(runs, 3, 0.01, 21);
   const ScalingRun held{"held", 1.0, 1.0, 1e21, power_law(1e21)};
-  plan::ReportOptions options;
+  scaling::ReportOptions options;
   options.bootstrap.resamples = 40;
   options.band_points = 4;
-  const plan::ScalingReport report = plan::make_report(runs, {held}, options, {}, seeds);
+  const scaling::ScalingReport report = scaling::make_report(runs, {held}, options, {}, seeds);
   REQUIRE(report.seed_bootstrap.has_value());
   CHECK(report.seed_bootstrap->samples.size() == 40u);
   REQUIRE(report.predictions.front().seed_noise.has_value());
-  const plan::Interval noise = *report.predictions.front().seed_noise;
+  const scaling::Interval noise = *report.predictions.front().seed_noise;
   CHECK(noise.lo == report.seed_bootstrap->predict(1e21).lo);
   CHECK(noise.lo <= report.predictions.front().power_law.value);
   CHECK(report.predictions.front().power_law.value <= noise.hi);
 
-  const nlohmann::json j = plan::to_json(report);
-  CHECK(plan::to_json(plan::from_json(nlohmann::json::parse(j.dump()))) == j);
-  const plan::ScalingReport back = plan::from_json(nlohmann::json::parse(j.dump()));
+  const nlohmann::json j = scaling::to_json(report);
+  CHECK(scaling::to_json(scaling::from_json(nlohmann::json::parse(j.dump()))) == j);
+  const scaling::ScalingReport back = scaling::from_json(nlohmann::json::parse(j.dump()));
   CHECK(back.fit_seed_losses == report.fit_seed_losses);
   REQUIRE(back.predictions.front().seed_noise.has_value());
   CHECK(back.predictions.front().seed_noise->hi == noise.hi);
   CHECK(back.seed_bootstrap->predict(3e20).hi == report.seed_bootstrap->predict(3e20).hi);
 
   // Without seeds, or from a report written before them: none, and null in the JSON.
-  const nlohmann::json plain = plan::to_json(plan::make_report(runs, {held}, options));
+  const nlohmann::json plain = scaling::to_json(scaling::make_report(runs, {held}, options));
   CHECK(plain.at("power_law").at("seed_bootstrap").is_null());
   CHECK(plain.at("held_out_predictions").at(0).at("seed_noise").is_null());
   nlohmann::json old = j;
   old.erase("fit_seed_losses");
   old["power_law"].erase("seed_bootstrap");
   old["held_out_predictions"][0].erase("seed_noise");
-  CHECK_FALSE(plan::from_json(old).seed_bootstrap.has_value());
-  CHECK_FALSE(plan::from_json(old).predictions.front().seed_noise.has_value());
+  CHECK_FALSE(scaling::from_json(old).seed_bootstrap.has_value());
+  CHECK_FALSE(scaling::from_json(old).predictions.front().seed_noise.has_value());
   nlohmann::json broken = j;
   broken["fit_seed_losses"][3][0] = 9.0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("seed losses: run run3 has loss"), Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("seed losses: run run3 has loss"), Error);
   broken = j;
   broken["fit_seed_losses"][0] = 2.0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("fit_seed_losses[0] must be an array of losses"),
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("fit_seed_losses[0] must be an array of losses"),
                        Error);
 }
 
@@ -479,28 +479,28 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   for (const ScalingRun& r : runs) (std::abs(r.tokens / r.params - 20.0) < 1e-9 ? rule : other).push_back(r);
   REQUIRE(rule.size() == 5u);
   const ScalingRun held{"held 3e9", 3e9, 6e10, 6.0 * 3e9 * 6e10, chinchilla(3e9, 6e10)};
-  plan::ReportOptions options;
+  scaling::ReportOptions options;
   options.bootstrap.resamples = 40;
   options.band_points = 16;
   options.chinchilla.starts = {{0.5}, {0.5}, {0.0, 1.0}, {5.0, 10.0}, {5.0, 10.0}};  // the grid is tested above
-  plan::ScalingReport report = plan::make_report(rule, {held}, options, other);
-  const plan::PowerLawFit alone = plan::fit_power_law(rule, options.power_law);
+  scaling::ScalingReport report = scaling::make_report(rule, {held}, options, other);
+  const scaling::PowerLawFit alone = scaling::fit_power_law(rule, options.power_law);
   CHECK(report.power_law.fit.a == alone.a);
   CHECK(report.power_law.fit.b == alone.b);
   CHECK(report.power_law.fit.c == alone.c);
-  CHECK_FALSE(plan::detail::chinchilla_refusal(rule).empty());  // the rule's runs alone cannot identify it
-  report.lr_sweep = {{plan::Parametrization::sp, 256, 1e-3, 3.2},
-                     {plan::Parametrization::mup, 512, 3e-3, 3.1},
-                     {plan::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
-  report.rate_rule = plan::RateRule{
-      .parametrization = plan::Parametrization::sp, .lr = 1.5e-2, .base_width = 16, .exponent = 1.1, .why = "measured"};
-  report.rate_trend = plan::RateTrend{.c_ref = 1e12, .lr_ref = 2e-3, .exponent = -0.125};
+  CHECK_FALSE(scaling::detail::chinchilla_refusal(rule).empty());  // the rule's runs alone cannot identify it
+  report.lr_sweep = {{scaling::Parametrization::sp, 256, 1e-3, 3.2},
+                     {scaling::Parametrization::mup, 512, 3e-3, 3.1},
+                     {scaling::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
+  report.rate_rule = scaling::RateRule{
+      .parametrization = scaling::Parametrization::sp, .lr = 1.5e-2, .base_width = 16, .exponent = 1.1, .why = "measured"};
+  report.rate_trend = scaling::RateTrend{.c_ref = 1e12, .lr_ref = 2e-3, .exponent = -0.125};
   report.excluded_runs = {{"plateau", 1e4, 2e5, 1.2e10, 2.7}};
   report.excluded_why = "val loss not below the bigram loss 2.6";
   REQUIRE(report.chinchilla.has_value());
   CHECK(report.chinchilla_note.empty());
   REQUIRE(report.predictions.size() == 1u);
-  const plan::HeldOutPrediction& p = report.predictions[0];
+  const scaling::HeldOutPrediction& p = report.predictions[0];
   CHECK(p.achieved == held.loss);
   CHECK(p.power_law.lo <= p.power_law.value);
   CHECK(p.power_law.value <= p.power_law.hi);
@@ -509,24 +509,24 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   REQUIRE(report.band.size() == 16u);
   CHECK(report.band.front().flops == doctest::Approx(runs.front().flops / 1.5));
   CHECK(report.band.back().flops == doctest::Approx(held.flops * 1.5));
-  for (const plan::BandPoint& b : report.band) {
+  for (const scaling::BandPoint& b : report.band) {
     CHECK(b.lo <= b.loss);
     CHECK(b.loss <= b.hi);
   }
 
-  const nlohmann::json j = plan::to_json(report);
-  const nlohmann::json again = plan::to_json(plan::from_json(nlohmann::json::parse(j.dump())));
+  const nlohmann::json j = scaling::to_json(report);
+  const nlohmann::json again = scaling::to_json(scaling::from_json(nlohmann::json::parse(j.dump())));
   CHECK(again == j);
   CHECK(j.at("lr_sweep").at(2).at("loss").is_null());
-  const plan::ScalingReport back = plan::from_json(nlohmann::json::parse(j.dump()));
+  const scaling::ScalingReport back = scaling::from_json(nlohmann::json::parse(j.dump()));
   CHECK(std::isnan(back.lr_sweep[2].loss));
-  CHECK(back.lr_sweep[1].parametrization == plan::Parametrization::mup);
+  CHECK(back.lr_sweep[1].parametrization == scaling::Parametrization::mup);
   CHECK(back.power_law.bootstrap.samples.size() == report.power_law.bootstrap.samples.size());
   CHECK(back.power_law.bootstrap.predict(1e21).lo == report.power_law.bootstrap.predict(1e21).lo);
   CHECK(back.chinchilla->fit.alpha == report.chinchilla->fit.alpha);
   CHECK(back.chinchilla_only_runs.size() == 20u);
   REQUIRE(back.rate_rule.has_value());
-  CHECK(back.rate_rule->parametrization == plan::Parametrization::sp);
+  CHECK(back.rate_rule->parametrization == scaling::Parametrization::sp);
   CHECK(back.rate_rule->exponent == 1.1);
   CHECK(back.rate_rule->why == "measured");
   REQUIRE(back.excluded_runs.size() == 1u);
@@ -543,39 +543,39 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   // A broken file names what is wrong.
   nlohmann::json broken = j;
   broken["fit_runs"][1].erase("loss");
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("fit_runs[1] has no field \"loss\""), Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("fit_runs[1] has no field \"loss\""), Error);
   broken = j;
   broken["power_law"]["bootstrap"]["a"]["low"] = 1.0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("power_law.bootstrap.a has an unknown field \"low\""),
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("power_law.bootstrap.a has an unknown field \"low\""),
                        Error);
   broken = j;
   broken["lr_sweep"][0]["parametrization"] = "ntk";
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("lr_sweep[0].parametrization is \"ntk\""), Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("lr_sweep[0].parametrization is \"ntk\""), Error);
   broken = j;
   broken["rate_rule"]["base_width"] = 0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("rate_rule.base_width must be a positive"), Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("rate_rule.base_width must be a positive"), Error);
   broken = j;
   broken["rate_trend"]["lr_ref"] = -1.0;
-  CHECK_THROWS_WITH_AS(plan::from_json(broken),
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken),
                        doctest::Contains("rate_trend.c_ref 1e+12 and lr_ref -1 must be positive"), Error);
   broken = j;
   broken.erase("rate_trend");  // a report from before the trend reads back without one
   broken.erase("excluded_runs");
   broken.erase("excluded_why");
-  CHECK_FALSE(plan::from_json(broken).rate_trend.has_value());
-  CHECK(plan::from_json(broken).excluded_runs.empty());
+  CHECK_FALSE(scaling::from_json(broken).rate_trend.has_value());
+  CHECK(scaling::from_json(broken).excluded_runs.empty());
   broken = j;
   broken["format"] = "llmpar-checkpoint";
-  CHECK_THROWS_WITH_AS(plan::from_json(broken), doctest::Contains("expected \"llmpar-scaling-report\""), Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("expected \"llmpar-scaling-report\""), Error);
 }
 
 TEST_CASE("the report without a Chinchilla fit says why") {
-  plan::ReportOptions options;
+  scaling::ReportOptions options;
   options.bootstrap.resamples = 40;
   const std::vector<ScalingRun> runs = power_law_runs(0.002);  // all at 20 tokens per parameter
   const double flops = 1e21, params = std::sqrt(flops / 120.0);
-  const plan::ScalingReport report =
-      plan::make_report(runs, {{"held", params, flops / (6.0 * params), flops, power_law(flops)}}, options);
+  const scaling::ScalingReport report =
+      scaling::make_report(runs, {{"held", params, flops / (6.0 * params), flops, power_law(flops)}}, options);
   CHECK_FALSE(report.chinchilla.has_value());
   CHECK(report.chinchilla_note.find("about the same tokens per parameter") != std::string::npos);
   REQUIRE(report.predictions.size() == 1u);
@@ -583,9 +583,9 @@ TEST_CASE("the report without a Chinchilla fit says why") {
   CHECK(std::abs(report.predictions[0].relative_error()) < 0.01);
   CHECK(report.predictions[0].power_law.lo <= power_law(flops));
   CHECK(power_law(flops) <= report.predictions[0].power_law.hi);
-  const nlohmann::json j = plan::to_json(report);
+  const nlohmann::json j = scaling::to_json(report);
   CHECK(j.at("chinchilla").is_null());
-  CHECK(plan::to_json(plan::from_json(j)) == j);
+  CHECK(scaling::to_json(scaling::from_json(j)) == j);
 }
 
 TEST_CASE("the report notes a Chinchilla bootstrap with too few usable resamples, and keeps the power law") {
@@ -593,17 +593,17 @@ TEST_CASE("the report notes a Chinchilla bootstrap with too few usable resamples
   // the time: about 5 of 20 resamples are usable, fewer than the 10 an interval needs.
   const std::vector<ScalingRun> all = chinchilla_runs();
   const std::vector<ScalingRun> six = {all[0], all[4], all[12], all[16], all[20], all[24]};
-  plan::ReportOptions options;
+  scaling::ReportOptions options;
   options.bootstrap.resamples = 20;
   options.chinchilla.starts = {{0.5}, {0.5}, {0.0, 1.0}, {5.0, 10.0}, {5.0, 10.0}};
-  const plan::ScalingReport report = plan::make_report(six, {}, options);
+  const scaling::ScalingReport report = scaling::make_report(six, {}, options);
   CHECK_FALSE(report.chinchilla.has_value());
   CHECK(report.chinchilla_note.find("Chinchilla bootstrap: only") != std::string::npos);
   CHECK(report.chinchilla_note.find(" of 20 resamples could be fitted") != std::string::npos);
-  const plan::PowerLawBootstrap& power_law = report.power_law.bootstrap;
+  const scaling::PowerLawBootstrap& power_law = report.power_law.bootstrap;
   CHECK(power_law.samples.size() + static_cast<std::size_t>(power_law.degenerate) == 20u);
   CHECK(power_law.samples.size() >= 16u);  // 6 budgets: 98% of resamples keep 3
-  CHECK_THROWS_WITH_AS(plan::bootstrap_chinchilla(six, plan::fit_chinchilla(six, options.chinchilla), options.bootstrap,
+  CHECK_THROWS_WITH_AS(scaling::bootstrap_chinchilla(six, scaling::fit_chinchilla(six, options.chinchilla), options.bootstrap,
                                                   options.chinchilla),
                        doctest::Contains("add runs, so that most resamples keep enough of them"), Error);
 }
@@ -615,7 +615,7 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
   const std::vector<ScalingRun> other = {{"tiny x4", 1.5e6, 1.2e8, 1.08e15, 4.0}};
   const std::vector<ScalingRun> plateau = {{"smallest", 1e4, 2e5, 1.2e10, 2.7}};
   std::ostringstream out;
-  plan::write_csv(out, fit, held, other, plateau);
+  scaling::write_csv(out, fit, held, other, plateau);
   CHECK(out.str() ==
         "name,params,tokens,flops,loss,role\n"
         "tiny,1500000,3e+07,2.7e+14,4.25,fit\n"
@@ -625,64 +625,64 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
         "big,1e+08,2e+09,1.2e+18,3.125,held_out\n");
   // Shortest form, but exact.
   std::ostringstream third;
-  plan::write_csv(third, std::vector<ScalingRun>{{"x", 1.0 / 3.0, 2.0, 3.0, 0.1}});
+  scaling::write_csv(third, std::vector<ScalingRun>{{"x", 1.0 / 3.0, 2.0, 3.0, 0.1}});
   CHECK(third.str() == "name,params,tokens,flops,loss,role\nx,0.3333333333333333,2,3,0.1,fit\n");
 }
 
 namespace {
 // A sweep whose loss at each width is a parabola in log2(lr) with its vertex at `best`.
-std::vector<plan::LrSweepPoint> parabola_sweep(plan::Parametrization p, std::int64_t width, double best,
+std::vector<scaling::LrSweepPoint> parabola_sweep(scaling::Parametrization p, std::int64_t width, double best,
                                                double lowest = 2.5) {
-  std::vector<plan::LrSweepPoint> out;
+  std::vector<scaling::LrSweepPoint> out;
   for (double lr : {1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2}) {
     const double x = std::log2(lr / best);
     out.push_back({p, width, lr, lowest + 0.05 * x * x});
   }
   return out;
 }
-std::vector<plan::LrSweepPoint> joined(std::initializer_list<std::vector<plan::LrSweepPoint>> parts) {
-  std::vector<plan::LrSweepPoint> out;
+std::vector<scaling::LrSweepPoint> joined(std::initializer_list<std::vector<scaling::LrSweepPoint>> parts) {
+  std::vector<scaling::LrSweepPoint> out;
   for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
   return out;
 }
 }  // namespace
 
 TEST_CASE("best rate: the vertex of the parabola through the lowest point and its neighbours") {
-  using plan::Parametrization;
+  using scaling::Parametrization;
   // Losses exactly quadratic in log(lr): the vertex comes back wherever it lies.
   for (double best : {5e-3, 4e-3, 1.1e-2})
-    CHECK(plan::best_rate(parabola_sweep(Parametrization::sp, 64, best), Parametrization::sp, 64) ==
+    CHECK(scaling::best_rate(parabola_sweep(Parametrization::sp, 64, best), Parametrization::sp, 64) ==
           doctest::Approx(best).epsilon(1e-9));
   // Hand-worked: losses 2.6498, 2.6377, 2.7095 at 2e-3, 4e-3, 8e-3: the vertex is
   // 0.5 (2.6498 - 2.7095) / (2.6498 - 2 x 2.6377 + 2.7095) = -0.35578 of a step, 4e-3 x 2^-0.35578.
-  std::vector<plan::LrSweepPoint> s{{Parametrization::sp, 64, 1e-3, 2.6689},
+  std::vector<scaling::LrSweepPoint> s{{Parametrization::sp, 64, 1e-3, 2.6689},
                                     {Parametrization::sp, 64, 8e-3, 2.7095},
                                     {Parametrization::sp, 64, 2e-3, 2.6498},
                                     {Parametrization::sp, 64, 4e-3, 2.6377}};
-  CHECK(plan::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+  CHECK(scaling::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
   // The lowest point at an end of the grid is the answer; a diverged run is the worst.
   s.push_back({Parametrization::sp, 64, 5e-4, 2.0});
-  CHECK(plan::best_rate(s, Parametrization::sp, 64) == 5e-4);
+  CHECK(scaling::best_rate(s, Parametrization::sp, 64) == 5e-4);
   s.back().loss = std::numeric_limits<double>::quiet_NaN();
-  CHECK(plan::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
-  CHECK_THROWS_WITH_AS(plan::best_rate(s, Parametrization::mup, 64), doctest::Contains("no mup run at width 64"),
+  CHECK(scaling::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+  CHECK_THROWS_WITH_AS(scaling::best_rate(s, Parametrization::mup, 64), doctest::Contains("no mup run at width 64"),
                        Error);
 }
 
 TEST_CASE("rate rule: µP where its best rate stays put, otherwise SP at the power of width it moved by") {
-  using plan::Parametrization;
+  using scaling::Parametrization;
   // µP transfers (1.6e-2 at both widths); SP moves 4x over 4x the width.
   const auto transfers =
       joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2), parabola_sweep(Parametrization::mup, 64, 1.4e-2),
               parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 4e-3)});
-  const plan::RateRule mup = plan::rate_rule(transfers, 16, 64, true);
+  const scaling::RateRule mup = scaling::rate_rule(transfers, 16, 64, true);
   CHECK(mup.parametrization == Parametrization::mup);
   CHECK(mup.lr == doctest::Approx(1.6e-2));
   CHECK(mup.exponent == 0.0);
   CHECK(mup.at(112) == doctest::Approx(1.6e-2));
   CHECK(mup.why.find("it transfers") != std::string::npos);
   // Asked for SP: the measured exponent 1, so lr x 16 / width.
-  const plan::RateRule sp = plan::rate_rule(transfers, 16, 64, false);
+  const scaling::RateRule sp = scaling::rate_rule(transfers, 16, 64, false);
   CHECK(sp.parametrization == Parametrization::sp);
   CHECK(sp.exponent == doctest::Approx(1.0));
   CHECK(sp.at(64) == doctest::Approx(4e-3));
@@ -691,46 +691,46 @@ TEST_CASE("rate rule: µP where its best rate stays put, otherwise SP at the pow
   const auto moves =
       joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2), parabola_sweep(Parametrization::mup, 64, 1.1e-2),
               parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 2e-3)});
-  const plan::RateRule fallback = plan::rate_rule(moves, 16, 64, true);
+  const scaling::RateRule fallback = scaling::rate_rule(moves, 16, 64, true);
   CHECK(fallback.parametrization == Parametrization::sp);
   CHECK(fallback.exponent == doctest::Approx(1.5));
   CHECK(fallback.why.find("under µP the best rate moved by width^") == 0);
-  CHECK_THROWS_WITH_AS(plan::rate_rule(moves, 64, 64, true), doctest::Contains("needs a base width and a wider one"),
+  CHECK_THROWS_WITH_AS(scaling::rate_rule(moves, 64, 64, true), doctest::Contains("needs a base width and a wider one"),
                        Error);
 }
 
 TEST_CASE("rate rule: µP that transfers but trains the wide model worse than SP gives way to SP") {
-  using plan::Parametrization;
+  using scaling::Parametrization;
   // µP's rate holds (1.6e-2 and 1.4e-2); at width 64 its lowest loss is 2.52, SP's 2.50.
   auto sweep = [](double mup_wide_lowest) {
     return joined({parabola_sweep(Parametrization::mup, 16, 1.6e-2),
                    parabola_sweep(Parametrization::mup, 64, 1.4e-2, mup_wide_lowest),
                    parabola_sweep(Parametrization::sp, 16, 1.6e-2), parabola_sweep(Parametrization::sp, 64, 4e-3)});
   };
-  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::mup, 64) ==
+  CHECK(scaling::lowest_loss(sweep(2.52), Parametrization::mup, 64) ==
         doctest::Approx(2.52 + 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)));
-  CHECK(plan::lowest_loss(sweep(2.52), Parametrization::sp, 64) == doctest::Approx(2.5));
+  CHECK(scaling::lowest_loss(sweep(2.52), Parametrization::sp, 64) == doctest::Approx(2.5));
   // 2.52 / 2.5 is 0.8% (and the nearest grid point a little more): over the 0.5% margin.
-  const plan::RateRule worse = plan::rate_rule(sweep(2.52), 16, 64, true);
+  const scaling::RateRule worse = scaling::rate_rule(sweep(2.52), 16, 64, true);
   CHECK(worse.parametrization == Parametrization::sp);
   CHECK(worse.exponent == doctest::Approx(1.0));
   CHECK(worse.why.find(", but its lowest loss at width 64 (") != std::string::npos);
   CHECK(worse.why.find("% above SP's (2.5)") != std::string::npos);
   // 2.5 + 0.4%: within the margin, µP stays.
-  const plan::RateRule within =
-      plan::rate_rule(sweep(2.5 * 1.004 - 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)), 16, 64, true);
+  const scaling::RateRule within =
+      scaling::rate_rule(sweep(2.5 * 1.004 - 0.05 * std::pow(std::log2(1.6e-2 / 1.4e-2), 2)), 16, 64, true);
   CHECK(within.parametrization == Parametrization::mup);
   CHECK(within.why.find("it transfers") != std::string::npos);
   // Every SP run at the wide width diverged: µP trains it better, whatever its loss.
   auto diverged = sweep(3.0);
-  for (plan::LrSweepPoint& p : diverged)
+  for (scaling::LrSweepPoint& p : diverged)
     if (p.parametrization == Parametrization::sp && p.width == 64) p.loss = std::numeric_limits<double>::quiet_NaN();
-  CHECK(plan::lowest_loss(diverged, Parametrization::sp, 64) == std::numeric_limits<double>::infinity());
-  CHECK(plan::rate_rule(diverged, 16, 64, true).parametrization == Parametrization::mup);
+  CHECK(scaling::lowest_loss(diverged, Parametrization::sp, 64) == std::numeric_limits<double>::infinity());
+  CHECK(scaling::rate_rule(diverged, 16, 64, true).parametrization == Parametrization::mup);
 }
 
 TEST_CASE("batch rule: one sequence at the smallest compute, the largest at the largest, geometric between") {
-  const plan::BatchRule rule{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 1};
+  const scaling::BatchRule rule{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 1};
   CHECK(rule.exponent() == doctest::Approx(std::log(16.0) / std::log(1e4)));  // 0.30103
   CHECK(rule.at(1e10) == 1);
   CHECK(rule.at(1e14) == 16);
@@ -741,22 +741,22 @@ TEST_CASE("batch rule: one sequence at the smallest compute, the largest at the 
   CHECK(rule.at(1e9) == 1);    // below the range: its end
   CHECK(rule.at(1e16) == 16);  // above it
   // Two ranks: multiples of 2, from 2 to 16 (8 units of 2, 8^(1/2) = 2.83 at 1e12).
-  const plan::BatchRule ranks{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 2};
+  const scaling::BatchRule ranks{.c_min = 1e10, .c_max = 1e14, .largest = 16, .multiple = 2};
   CHECK(ranks.at(1e10) == 2);
   CHECK(ranks.at(1e12) == 6);
   CHECK(ranks.at(1e14) == 16);
-  const plan::BatchRule one{.c_min = 5e11, .c_max = 5e11, .largest = 8, .multiple = 1};
+  const scaling::BatchRule one{.c_min = 5e11, .c_max = 5e11, .largest = 8, .multiple = 1};
   CHECK(one.exponent() == 0.0);
   CHECK(one.at(5e11) == 1);
-  CHECK_THROWS_WITH_AS((plan::BatchRule{.c_min = 1e10, .c_max = 1e14, .largest = 15, .multiple = 2}.validate()),
+  CHECK_THROWS_WITH_AS((scaling::BatchRule{.c_min = 1e10, .c_max = 1e14, .largest = 15, .multiple = 2}.validate()),
                        doctest::Contains("the largest batch 15 must be a positive multiple of 2"), Error);
-  CHECK_THROWS_WITH_AS((plan::BatchRule{.c_min = 1e14, .c_max = 1e10, .largest = 16, .multiple = 1}.validate()),
+  CHECK_THROWS_WITH_AS((scaling::BatchRule{.c_min = 1e14, .c_max = 1e10, .largest = 16, .multiple = 1}.validate()),
                        doctest::Contains("give a positive range"), Error);
 }
 
 TEST_CASE("rate trend: least squares in log-log through the best rates") {
   // Exact power law: lr = 1e-2 (C / 1e10)^-0.125 at 1e10, 1e12, 1e14.
-  const plan::RateTrend exact = plan::fit_rate_trend(
+  const scaling::RateTrend exact = scaling::fit_rate_trend(
       {{1e10, 1e-2}, {1e12, 1e-2 * std::pow(100.0, -0.125)}, {1e14, 1e-2 * std::pow(1e4, -0.125)}});
   CHECK(exact.exponent == doctest::Approx(-0.125));
   CHECK(exact.c_ref == doctest::Approx(1e12));
@@ -764,31 +764,31 @@ TEST_CASE("rate trend: least squares in log-log through the best rates") {
   // Hand-worked: x = ln C/1e10 in {0, ln 10, 2 ln 10}, y = ln lr in {ln 4, ln 1, ln 2} (x1e-3):
   // slope = sum (x - x̄)(y - ȳ) / sum (x - x̄)² = (-ln10 (ln4 - ȳ) + ln10 (ln2 - ȳ)) / (2 ln²10)
   //       = -ln 2 / (2 ln 10) = -0.150515 per ln C.
-  const plan::RateTrend noisy = plan::fit_rate_trend({{1e10, 4e-3}, {1e11, 1e-3}, {1e12, 2e-3}});
+  const scaling::RateTrend noisy = scaling::fit_rate_trend({{1e10, 4e-3}, {1e11, 1e-3}, {1e12, 2e-3}});
   CHECK(noisy.exponent == doctest::Approx(-std::log(2.0) / (2.0 * std::log(10.0))));
   CHECK(noisy.at(1e11) == doctest::Approx(2e-3));  // the geometric mean, at the mean ln C
   // One point (or one compute): that rate everywhere.
-  const plan::RateTrend one = plan::fit_rate_trend({{1e12, 3e-3}});
+  const scaling::RateTrend one = scaling::fit_rate_trend({{1e12, 3e-3}});
   CHECK(one.exponent == 0.0);
   CHECK(one.at(1e20) == doctest::Approx(3e-3));
-  CHECK_THROWS_WITH_AS(plan::fit_rate_trend({}), doctest::Contains("no tuned run"), Error);
-  CHECK_THROWS_WITH_AS(plan::fit_rate_trend({{1e12, 0.0}}), doctest::Contains("both must be positive"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_rate_trend({}), doctest::Contains("no tuned run"), Error);
+  CHECK_THROWS_WITH_AS(scaling::fit_rate_trend({{1e12, 0.0}}), doctest::Contains("both must be positive"), Error);
 }
 
 TEST_CASE("rate walk: the centre and its neighbours, then past an end while the lowest sits there") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  CHECK(plan::next_rate({}, 1e-3, 2.0, 6) == 1e-3);
-  CHECK(plan::next_rate({{1e-3, 2.0}}, 1e-3, 2.0, 6) == 2e-3);
-  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}}, 1e-3, 2.0, 6) == 5e-4);
+  CHECK(scaling::next_rate({}, 1e-3, 2.0, 6) == 1e-3);
+  CHECK(scaling::next_rate({{1e-3, 2.0}}, 1e-3, 2.0, 6) == 2e-3);
+  CHECK(scaling::next_rate({{1e-3, 2.0}, {2e-3, 2.1}}, 1e-3, 2.0, 6) == 5e-4);
   // The lowest inside: done.
-  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
+  CHECK_FALSE(scaling::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
   // The lowest at the top: one step above it; at the bottom: one below.
-  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 4e-3);
-  CHECK(plan::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 1.95}, {2.5e-4, 1.9}}, 1e-3, 2.0, 6) == 1.25e-4);
+  CHECK(scaling::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 4e-3);
+  CHECK(scaling::next_rate({{1e-3, 2.0}, {2e-3, 2.1}, {5e-4, 1.95}, {2.5e-4, 1.9}}, 1e-3, 2.0, 6) == 1.25e-4);
   // A diverged run is the worst: the walk turns back from it.
-  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
-  CHECK(plan::next_rate({{1e-3, nan}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 2.5e-4);
+  CHECK_FALSE(scaling::next_rate({{1e-3, 2.0}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6).has_value());
+  CHECK(scaling::next_rate({{1e-3, nan}, {2e-3, nan}, {5e-4, 2.05}}, 1e-3, 2.0, 6) == 2.5e-4);
   // At most max_runs.
-  CHECK_FALSE(plan::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 3).has_value());
-  CHECK_THROWS_WITH_AS(plan::next_rate({}, 1e-3, 1.0, 6), doctest::Contains("a step above 1"), Error);
+  CHECK_FALSE(scaling::next_rate({{1e-3, 2.0}, {2e-3, 1.9}, {5e-4, 2.05}}, 1e-3, 2.0, 3).has_value());
+  CHECK_THROWS_WITH_AS(scaling::next_rate({}, 1e-3, 1.0, 6), doctest::Contains("a step above 1"), Error);
 }

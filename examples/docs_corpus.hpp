@@ -1,5 +1,6 @@
-// llmpar/data/docs.hpp — the documentation corpus: English prose from the manuals of
-// the Linux kernel, Python, Perl and LLVM, as Debian ships their sources.
+// docs_corpus.hpp — prepare_data's documentation corpus (the tool's code, not the
+// library's): English prose from the manuals of the Linux kernel, Python, Perl and LLVM,
+// as Debian ships their sources.
 //
 // A scaling-law sweep needs tens of MB of real English that no run repeats, and the
 // fortunes corpus (2 MB) is too small. Four Debian 12 packages install hand-written
@@ -49,7 +50,7 @@
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/data/tokenizer.hpp"
 
-namespace llmpar::data {
+namespace llmpar::docs {
 
 enum class DocsMarkup { kRst, kPod };
 
@@ -107,7 +108,7 @@ struct DocsSourceStats {
 };
 
 // TextCorpus plus what the cleaning dropped.
-struct DocsCorpus : TextCorpus {
+struct DocsCorpus : data::TextCorpus {
   std::vector<DocsSourceStats> sources;
   std::int64_t source_bytes = 0;  // of the files read, before cleaning
   std::int64_t duplicates = 0;    // documents identical to an earlier one, dropped
@@ -234,7 +235,7 @@ inline void append_line(std::string& out, std::string_view paragraph) {
 
 namespace detail::rst {
 
-using namespace ::llmpar::data::detail::prose;
+using namespace ::llmpar::docs::detail::prose;
 
 // One source line: its indentation in columns (tabs to multiples of 8, as docutils
 // reads them) and its text without the indentation and trailing whitespace.
@@ -698,7 +699,7 @@ inline std::string clean_rst(std::string_view rst) {
 
 namespace detail::pod {
 
-using namespace ::llmpar::data::detail::prose;
+using namespace ::llmpar::docs::detail::prose;
 
 // UTF-8 of a code point (for E<233>).
 inline void append_utf8(std::string& out, unsigned long cp) {
@@ -954,10 +955,10 @@ inline std::vector<std::vector<std::filesystem::path>> docs_files(std::span<cons
 // documents under kMinDocsDocumentBytes and exact duplicates are dropped, and each kept
 // one is followed by a blank line. Kept document i goes to validation when
 // floor((i+1)*val_fraction) > floor(i*val_fraction) (every 10th for 0.1), as for fortunes.
-template <Tokenizer Tok = ByteTokenizer>
+template <data::Tokenizer Tok = data::ByteTokenizer>
 DocsCorpus load_docs_corpus(std::span<const DocsSource> sources, double val_fraction = 0.1,
                             const Tok& tokenizer = Tok{}) {
-  detail::check_val_fraction(val_fraction);
+  data::detail::check_val_fraction(val_fraction);
   DocsCorpus corpus;
   corpus.vocab_size = tokenizer.vocab_size();
   const std::vector<std::vector<std::filesystem::path>> files = detail::docs_files(sources);
@@ -966,7 +967,7 @@ DocsCorpus load_docs_corpus(std::span<const DocsSource> sources, double val_frac
     DocsSourceStats stats{.package = sources[s].package, .files = static_cast<std::int64_t>(files[s].size())};
     for (const auto& file : files[s]) {
       corpus.files.push_back(file);
-      const std::string text = detail::read_text_file(file);
+      const std::string text = data::detail::read_text_file(file);
       corpus.source_bytes += static_cast<std::int64_t>(text.size());
       std::string doc = clean_document(text, sources[s].markup);
       if (doc.size() < kMinDocsDocumentBytes) {
@@ -978,11 +979,11 @@ DocsCorpus load_docs_corpus(std::span<const DocsSource> sources, double val_frac
         ++corpus.duplicates;
         continue;
       }
-      const bool val = detail::is_val_document(corpus.documents++, val_fraction);
+      const bool val = data::detail::is_val_document(corpus.documents++, val_fraction);
       corpus.val_documents += val ? 1 : 0;
       ++stats.documents;
       stats.bytes += static_cast<std::int64_t>(doc.size());
-      detail::append_tokens(val ? corpus.val : corpus.train, tokenizer, doc);
+      data::detail::append_tokens(val ? corpus.val : corpus.train, tokenizer, doc);
     }
     corpus.sources.push_back(std::move(stats));
   }
@@ -994,10 +995,10 @@ DocsCorpus load_docs_corpus(std::span<const DocsSource> sources, double val_frac
 }
 
 // The Debian 12 manuals of default_docs_sources().
-template <Tokenizer Tok = ByteTokenizer>
+template <data::Tokenizer Tok = data::ByteTokenizer>
 DocsCorpus load_docs_corpus(double val_fraction = 0.1, const Tok& tokenizer = Tok{}) {
   const std::vector<DocsSource> sources = default_docs_sources();
   return load_docs_corpus(std::span<const DocsSource>(sources), val_fraction, tokenizer);
 }
 
-}  // namespace llmpar::data
+}  // namespace llmpar::docs

@@ -1,6 +1,6 @@
-// llmpar/plan/scaling.hpp — scaling-law fits: loss against training compute, and
-// Chinchilla's loss against parameters and tokens, with bootstrap intervals, and a
-// report (JSON, CSV) that tools/plot_scaling.py draws.
+// scaling_law.hpp — llmpar-scaling's fits (the tool's code, not the library's): loss
+// against training compute, and Chinchilla's loss against parameters and tokens, with
+// bootstrap intervals, and a report (JSON, CSV) that tools/plot_scaling.py draws.
 //
 // Two laws, fitted to a handful of small runs (ScalingRun: N parameters, D tokens,
 // C training FLOPs = 6ND plus attention, final loss L):
@@ -90,7 +90,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
 
-namespace llmpar::plan {
+namespace llmpar::scaling {
 
 inline constexpr const char* kReportFormat = "llmpar-scaling-report";
 inline constexpr int kReportVersion = 1;
@@ -1730,4 +1730,4 @@ inline void write_csv(const std::string& path, const ScalingReport& report) {
   LLMPAR_CHECK(out.good(), "writing the runs' CSV to '", path, "' failed (disk full?)");
 }
 
-}  // namespace llmpar::plan
+}  // namespace llmpar::scaling
