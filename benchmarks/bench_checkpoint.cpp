@@ -63,7 +63,7 @@ void report(benchmark::State& state, double bytes) {
 }
 
 // The snapshot's bytes written with write() (64 MiB at a time) and one fsync: seconds.
-double write_plainly(const std::string& path, const train::checkpoint::Snapshot& snap) {
+double write_plainly(const std::string& path, const checkpoint::Snapshot& snap) {
   const auto t0 = std::chrono::steady_clock::now();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   for (const auto& d : snap.data) {
@@ -90,7 +90,7 @@ void DiskSequentialWrite(benchmark::State& state) {
 
 void Snapshot(benchmark::State& state) {
   Setup& s = setup();
-  train::checkpoint::Snapshot snap;
+  checkpoint::Snapshot snap;
   s.trainer.snapshot(train::SnapshotScope::saved, snap);  // the buffers' first touch
   for (auto _ : state) {
     s.trainer.snapshot(train::SnapshotScope::saved, snap);
@@ -108,7 +108,7 @@ void Save(benchmark::State& state) {
   const std::size_t bytes = snap.bytes();
   double disk = 0.0, save = 0.0;
   comm::run_threads(1, [&](comm::ThreadComm& world) {
-    train::checkpoint::Checkpointer saver(world, {.dir = s.dir + "/ck", .keep = 1, .background = false});
+    checkpoint::Checkpointer saver(world, {.dir = s.dir + "/ck", .keep = 1, .background = false});
     std::int64_t step = 1;
     for (auto _ : state) {
       state.PauseTiming();
@@ -132,7 +132,7 @@ void Load(benchmark::State& state) {
   Setup& s = setup();
   std::size_t bytes = 0;
   for (auto _ : state) {
-    const auto c = train::checkpoint::Checkpoint::open(s.dir + "/ck");
+    const auto c = checkpoint::Checkpoint::open(s.dir + "/ck");
     s.trainer.restore(c.source(), c.state());
     bytes = static_cast<std::size_t>(fs::file_size(c.dir() + "/rank_00000.safetensors"));
   }

@@ -62,7 +62,7 @@ struct Options {
   std::string partition = "even";  // even, parameters, or "3,3,2"
   std::string recompute = "none";  // none, selective, full
   std::string trace;               // Chrome trace JSON of one step's pipeline timeline
-  // Checkpoints (train/checkpoint.hpp) and Hugging Face weights (train/hf_gpt2.hpp).
+  // Checkpoints (checkpoint/checkpoint.hpp) and Hugging Face weights (checkpoint/hf_gpt2.hpp).
   std::string save;                                  // directory of step_N checkpoints and `latest`
   std::int64_t save_every = 0;                       // steps between checkpoints (0: only at the end)
   int keep = 0;                                      // checkpoints kept, the newest (0: all)
@@ -238,8 +238,8 @@ inline void validate(const Options& o, int world_size) {
   if (o.exit_after)
     LLMPAR_CHECK(*o.exit_after >= 1 && *o.exit_after <= o.steps, "--exit-after ", *o.exit_after,
                  " must be in [1, --steps ", o.steps, "]");
-  if (const auto path = resume_path(o)) static_cast<void>(train::checkpoint::Checkpoint::resolve(*path));
-  if (!o.init_from.empty()) static_cast<void>(safetensors::File::open(o.init_from));
+  if (const auto path = resume_path(o)) static_cast<void>(checkpoint::Checkpoint::resolve(*path));
+  if (!o.init_from.empty()) static_cast<void>(checkpoint::safetensors::File::open(o.init_from));
   if (!o.export_to.empty()) {
     std::ofstream probe(o.export_to, std::ios::out | std::ios::app);
     LLMPAR_CHECK(probe.good(), "--export ", o.export_to,
@@ -317,9 +317,9 @@ inline void validate(const Options& o, int world_size) {
   const models::GPT2Config cfg = model_config(o);
   cfg.validate();
   if (!o.init_from.empty())
-    train::hf::check_standard_logits(cfg, "--init-from: Hugging Face GPT-2 weights cannot be read into");
+    checkpoint::hf::check_standard_logits(cfg, "--init-from: Hugging Face GPT-2 weights cannot be read into");
   if (!o.export_to.empty())
-    train::hf::check_standard_logits(cfg, "--export: Hugging Face GPT-2 weights cannot be written from");
+    checkpoint::hf::check_standard_logits(cfg, "--export: Hugging Face GPT-2 weights cannot be written from");
   const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
   LLMPAR_CHECK(seq > 0, "--seq ", seq, "; the sequence length must be positive");
   LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
@@ -416,15 +416,15 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       .stages = o.pp, .chunks = o.virtual_stages, .rank = grid.coords().pp, .partition = partition_of(o, cfg)};
   models::GPT2<T, B> model(cfg, o.seed, tp, placement);
   // The checkpoint to resume from, or the weights to start from, read and checked now.
-  std::optional<train::checkpoint::Checkpoint> resume;
+  std::optional<checkpoint::Checkpoint> resume;
   if (const auto path = resume_path(o)) {
-    resume.emplace(train::checkpoint::Checkpoint::open(*path));
+    resume.emplace(checkpoint::Checkpoint::open(*path));
     check_same_model(resume->metadata()["model"], cfg, "checkpoint " + resume->dir());
   } else if (o.resume == "latest") {
     say("resume: no checkpoint in %s yet; starting at step 0\n", o.save.c_str());
   }
-  std::optional<train::checkpoint::Snapshot> initial;
-  if (!o.init_from.empty()) initial.emplace(train::hf::read_gpt2(o.init_from, cfg));
+  std::optional<checkpoint::Snapshot> initial;
+  if (!o.init_from.empty()) initial.emplace(checkpoint::hf::read_gpt2(o.init_from, cfg));
   // The peak in the run's precision (the CPU measures it now, on the model's shapes).
   const Peak peak = o.peak_gflops > 0.0
                         ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
@@ -522,7 +522,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
                  trainer.steps_done(), ", the end of a run of --steps ", o.steps, "; raise --steps to train on");
   }
   if (initial) {
-    trainer.load_weights(train::checkpoint::Source::of(*initial));
+    trainer.load_weights(checkpoint::Source::of(*initial));
     say("init: weights from %s\n", o.init_from.c_str());
     initial.reset();
   }
@@ -531,11 +531,11 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
         "not finite, rolls back to an in-memory snapshot (every %d steps) and skips its data\n",
         o.spike.median_factor, o.spike.z_score, o.spike.window, o.spike.snapshot_every);
   // Checkpoints: this rank's shard written on a thread while training goes on.
-  std::optional<train::checkpoint::Checkpointer> saver;
-  if (!o.save.empty()) saver.emplace(world, train::checkpoint::CheckpointerConfig{.dir = o.save, .keep = o.keep});
+  std::optional<checkpoint::Checkpointer> saver;
+  if (!o.save.empty()) saver.emplace(world, checkpoint::CheckpointerConfig{.dir = o.save, .keep = o.keep});
   std::int64_t saved_step = resume ? trainer.steps_done() : -1;
-  auto save = [&](train::checkpoint::Checkpointer& to) {
-    train::checkpoint::Snapshot snap = to.reuse();
+  auto save = [&](checkpoint::Checkpointer& to) {
+    checkpoint::Snapshot snap = to.reuse();
     trainer.snapshot(train::SnapshotScope::saved, snap);
     to.save(trainer.steps_done(), std::move(snap),
             {{"model", model_record(cfg)},
@@ -605,18 +605,17 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   // a temporary one beside the file), written in Hugging Face's names and layout.
   if (!o.export_to.empty()) {
     std::string from =
-        o.save.empty()
-            ? std::string()
-            : (std::filesystem::path(o.save) / train::checkpoint::detail::step_name(trainer.steps_done())).string();
+        o.save.empty() ? std::string()
+                       : (std::filesystem::path(o.save) / checkpoint::detail::step_name(trainer.steps_done())).string();
     const std::string parts = o.export_to + ".parts";
     if (from.empty()) {
-      train::checkpoint::Checkpointer temporary(world, {.dir = parts, .background = false});
+      checkpoint::Checkpointer temporary(world, {.dir = parts, .background = false});
       save(temporary);
       from = parts;
     }
     if (lead) {
-      const auto c = train::checkpoint::Checkpoint::open(from);
-      train::hf::write_gpt2(o.export_to, c.source(), cfg);
+      const auto c = checkpoint::Checkpoint::open(from);
+      checkpoint::hf::write_gpt2(o.export_to, c.source(), cfg);
       say("export: %s (Hugging Face GPT-2 names, F32)\n", o.export_to.c_str());
     }
     world.barrier();

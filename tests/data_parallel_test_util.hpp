@@ -147,13 +147,12 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
         });
   });
   if (!layout.resume_from.empty()) {
-    const auto checkpoint = train::checkpoint::Checkpoint::open(layout.resume_from);
+    const auto checkpoint = checkpoint::Checkpoint::open(layout.resume_from);
     trainer.restore(checkpoint.source(), checkpoint.state());
   }
-  std::optional<train::checkpoint::Checkpointer> saver;
+  std::optional<checkpoint::Checkpointer> saver;
   if (!layout.save_dir.empty())
-    saver.emplace(world,
-                  train::checkpoint::CheckpointerConfig{.dir = layout.save_dir, .background = layout.background_save});
+    saver.emplace(world, checkpoint::CheckpointerConfig{.dir = layout.save_dir, .background = layout.background_save});
   std::vector<double> losses, norms;
   while (trainer.steps_done() < layout.steps) {
     const train::StepStats s = trainer.step();

@@ -1,4 +1,5 @@
-// Core types: dtype conversions against exact values, the counter-based RNG, buffers.
+// Core types: dtype conversions against exact values, the counter-based RNG, buffers,
+// CRC-32C.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "llmpar/config.hpp"
+#include "llmpar/core/crc32c.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
@@ -152,4 +154,25 @@ TEST_CASE("llmpar::kVersion is the project VERSION of CMakeLists.txt (checkpoint
   std::ifstream in(std::string(LLMPAR_SOURCE_DIR) + "/CMakeLists.txt");
   const std::string text{std::istreambuf_iterator<char>(in), {}};
   CHECK(text.find(std::string("project(llmpar VERSION ") + kVersion + " ") != std::string::npos);
+}
+
+TEST_CASE("crc32c: the standard check value, chunked the same as whole, and every single-bit flip detected") {
+  const std::string check = "123456789";
+  CHECK(crc32c(check.data(), check.size()) == 0xE3069283u);  // CRC-32C's published check value
+  CHECK(crc32c(nullptr, 0) == 0u);
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += static_cast<char>('a' + (i * 7) % 26);
+  const std::uint32_t whole = crc32c(text.data(), text.size());
+  for (std::size_t cut : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{500}}) {
+    CAPTURE(cut);
+    CHECK(crc32c(text.data() + cut, text.size() - cut, crc32c(text.data(), cut)) == whole);
+  }
+  int detected = 0;
+  for (std::size_t i = 0; i < 64; ++i)
+    for (int b = 0; b < 8; ++b) {
+      std::string flipped = text;
+      flipped[i * 13] = static_cast<char>(flipped[i * 13] ^ (1 << b));
+      detected += crc32c(flipped.data(), flipped.size()) != whole ? 1 : 0;
+    }
+  CHECK(detected == 64 * 8);
 }

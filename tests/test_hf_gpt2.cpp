@@ -1,4 +1,4 @@
-// Hugging Face GPT-2 files (train/hf_gpt2.hpp): a hand-built HF-layout file lands in our
+// Hugging Face GPT-2 files (checkpoint/hf_gpt2.hpp): a hand-built HF-layout file lands in our
 // layout (Conv1D weights transposed, wte padded with zero rows, wpe cut to max_seq), with
 // or without the "transformer." prefix, buffers and a tied lm_head, from F32, F16 or
 // BF16; what write_gpt2 stores is that file again (HF's names, order and metadata); a
@@ -19,15 +19,15 @@
 #include <vector>
 
 #include "data_parallel_test_util.hpp"
+#include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/checkpoint/hf_gpt2.hpp"
+#include "llmpar/checkpoint/safetensors.hpp"
 #include "llmpar/comm/grid.hpp"
 #include "llmpar/comm/thread_comm.hpp"
-#include "llmpar/train/checkpoint.hpp"
-#include "llmpar/train/hf_gpt2.hpp"
-#include "llmpar/train/safetensors.hpp"
 
 using namespace llmpar;
-namespace ck = train::checkpoint;
-namespace hf = train::hf;
+namespace ck = checkpoint;
+namespace hf = checkpoint::hf;
 
 namespace {
 
@@ -84,7 +84,7 @@ HfFile tiny_file() {
 void write_file(const std::string& path, const HfFile& f, DType dtype = DType::f32, const std::string& prefix = "") {
   std::vector<std::vector<std::uint16_t>> halves;
   halves.reserve(f.size());
-  std::vector<safetensors::TensorRef> refs;
+  std::vector<checkpoint::safetensors::TensorRef> refs;
   for (const auto& [name, t] : f) {
     const void* data = t.values.data();
     if (dtype != DType::f32) {
@@ -94,7 +94,7 @@ void write_file(const std::string& path, const HfFile& f, DType dtype = DType::f
     }
     refs.push_back({prefix + name, dtype, t.shape, data});
   }
-  safetensors::write(path, refs, {{"format", "pt"}});
+  checkpoint::safetensors::write(path, refs, {{"format", "pt"}});
 }
 
 // The whole tensor `name` of a source.
@@ -197,10 +197,10 @@ TEST_CASE("hf gpt2: the transformer. prefix, the attention buffers and a tied lm
   write_file("hf_prefixed.safetensors", with, DType::f32, "transformer.");
   check_tiny(hf::read_gpt2("hf_prefixed.safetensors", kTiny), f);
   // GPT2LMHeadModel: the prefixed body and an unprefixed head equal to wte.
-  std::vector<safetensors::TensorRef> refs;
+  std::vector<checkpoint::safetensors::TensorRef> refs;
   for (const auto& [name, t] : with) refs.push_back({"transformer." + name, DType::f32, t.shape, t.values.data()});
   refs.push_back({"lm_head.weight", DType::f32, {5, 4}, f.at("wte.weight").values.data()});
-  safetensors::write("hf_lm_head.safetensors", refs, {{"format", "pt"}});
+  checkpoint::safetensors::write("hf_lm_head.safetensors", refs, {{"format", "pt"}});
   check_tiny(hf::read_gpt2("hf_lm_head.safetensors", kTiny), f);
 }
 
@@ -210,7 +210,7 @@ TEST_CASE("hf gpt2: F16 and BF16 files read as the values they hold") {
   for (auto& [name, t] : f)
     for (std::size_t i = 0; i < t.values.size(); ++i) t.values[i] = static_cast<float>(static_cast<int>(i % 64) - 32);
   for (DType dtype : {DType::f16, DType::bf16}) {
-    INFO(safetensors::format_name(dtype));
+    INFO(checkpoint::safetensors::format_name(dtype));
     write_file("hf_half.safetensors", f, dtype);
     const ck::Snapshot snap = hf::read_gpt2("hf_half.safetensors", kTiny);
     const ck::Source s = ck::Source::of(snap);
@@ -228,10 +228,10 @@ TEST_CASE("hf gpt2: write_gpt2 stores the HF file again: names, shapes, order, F
   write_file("hf_in.safetensors", f);
   const ck::Snapshot snap = hf::read_gpt2("hf_in.safetensors", kTiny);
   hf::write_gpt2("hf_out.safetensors", ck::Source::of(snap), kTiny);
-  const auto out = safetensors::File::read("hf_out.safetensors");
+  const auto out = checkpoint::safetensors::File::read("hf_out.safetensors");
   CHECK(out.metadata() == std::map<std::string, std::string>{{"format", "pt"}});
   // HF's order: the data of wte first, then wpe, the block, ln_f.
-  std::vector<const safetensors::TensorInfo*> order;
+  std::vector<const checkpoint::safetensors::TensorInfo*> order;
   for (const auto& t : out.tensors()) order.push_back(&t);
   std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   std::vector<std::string> names;
@@ -246,7 +246,7 @@ TEST_CASE("hf gpt2: write_gpt2 stores the HF file again: names, shapes, order, F
   REQUIRE(out.tensors().size() == f.size());
   for (const auto& [name, t] : f) {
     INFO(name);
-    const safetensors::TensorInfo& info = out.get(name, DType::f32);
+    const checkpoint::safetensors::TensorInfo& info = out.get(name, DType::f32);
     CHECK(info.shape == t.shape);
     const auto bytes = out.bytes(info);
     REQUIRE(bytes.size() == t.values.size() * sizeof(float));
@@ -369,13 +369,14 @@ TEST_CASE("hf gpt2: every disagreement of a file and the model is an error namin
     fails(f, {"holds GPT-2's 'ln_f.bias' twice"});
   }
   SUBCASE("an integer tensor") {
-    std::vector<safetensors::TensorRef> refs;
+    std::vector<checkpoint::safetensors::TensorRef> refs;
     const HfFile f = tiny_file();
     std::vector<std::int32_t> ints(4, 1);
     for (const auto& [name, t] : f)
-      refs.push_back(name == "ln_f.bias" ? safetensors::TensorRef{name, DType::i32, t.shape, ints.data()}
-                                         : safetensors::TensorRef{name, DType::f32, t.shape, t.values.data()});
-    safetensors::write("hf_int.safetensors", refs);
+      refs.push_back(name == "ln_f.bias"
+                         ? checkpoint::safetensors::TensorRef{name, DType::i32, t.shape, ints.data()}
+                         : checkpoint::safetensors::TensorRef{name, DType::f32, t.shape, t.values.data()});
+    checkpoint::safetensors::write("hf_int.safetensors", refs);
     CHECK_THROWS_WITH_AS(hf::read_gpt2("hf_int.safetensors", kTiny),
                          doctest::Contains("hf_int.safetensors: tensor 'ln_f.bias' is I32"), Error);
   }

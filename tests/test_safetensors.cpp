@@ -1,4 +1,4 @@
-// safetensors (train/safetensors.hpp): a round trip keeps every tensor's name, dtype,
+// safetensors (checkpoint/safetensors.hpp): a round trip keeps every tensor's name, dtype,
 // shape and bytes and the metadata; the header is padded to 8 bytes; every way a file
 // can be wrong (truncated, a header length beyond the file, bad JSON, an unknown dtype,
 // offsets outside the data or not matching the shape, overlapping tensors, a gap, a
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "llmpar/checkpoint/safetensors.hpp"
 #include "llmpar/core/rng.hpp"
-#include "llmpar/train/safetensors.hpp"
 
 using namespace llmpar;
 
@@ -42,17 +42,18 @@ TEST_CASE("safetensors: a round trip keeps names, dtypes, shapes, bytes and meta
   const std::vector<float> w = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, -0.5f};
   const std::vector<bf16> b = {bf16(1.0f), bf16(-3.0f)};
   const std::vector<std::int64_t> ids = {5, -9, 1ll << 40};
-  const std::vector<safetensors::TensorRef> tensors = {{"h.0.attn.c_attn.weight", DType::f32, {2, 3}, w.data()},
-                                                       {"ln.bias", DType::bf16, {2}, b.data()},
-                                                       {"ids", DType::i64, {3}, ids.data()},
-                                                       {"empty", DType::f32, {0, 4}, nullptr}};
-  safetensors::write("rt.safetensors", tensors, {{"format", "pt"}, {"step", "12"}});
+  const std::vector<checkpoint::safetensors::TensorRef> tensors = {
+      {"h.0.attn.c_attn.weight", DType::f32, {2, 3}, w.data()},
+      {"ln.bias", DType::bf16, {2}, b.data()},
+      {"ids", DType::i64, {3}, ids.data()},
+      {"empty", DType::f32, {0, 4}, nullptr}};
+  checkpoint::safetensors::write("rt.safetensors", tensors, {{"format", "pt"}, {"step", "12"}});
   const auto bytes = slurp("rt.safetensors");
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
   CHECK(n % 8 == 0);
   CHECK(bytes.size() == 8 + n + w.size() * 4 + b.size() * 2 + ids.size() * 8);
-  const auto f = safetensors::File::read("rt.safetensors");
+  const auto f = checkpoint::safetensors::File::read("rt.safetensors");
   CHECK(f.tensors().size() == 4);
   CHECK(f.metadata().at("format") == "pt");
   CHECK(f.metadata().at("step") == "12");
@@ -64,16 +65,16 @@ TEST_CASE("safetensors: a round trip keeps names, dtypes, shapes, bytes and meta
   CHECK(f.get("empty", DType::f32).numel() == 0);
   CHECK_THROWS_WITH_AS(f.get("ln.bias", DType::f32), doctest::Contains("tensor 'ln.bias' is BF16, not F32"), Error);
   CHECK_THROWS_WITH_AS(f.get("wpe.weight", DType::f32), doctest::Contains("has no tensor 'wpe.weight'"), Error);
-  const std::vector<safetensors::TensorRef> twice = {{"a", DType::f32, {1}, w.data()},
-                                                     {"a", DType::f32, {1}, w.data()}};
-  CHECK_THROWS_WITH_AS(safetensors::write("twice.safetensors", twice), doctest::Contains("two tensors named 'a'"),
-                       Error);
+  const std::vector<checkpoint::safetensors::TensorRef> twice = {{"a", DType::f32, {1}, w.data()},
+                                                                 {"a", DType::f32, {1}, w.data()}};
+  CHECK_THROWS_WITH_AS(checkpoint::safetensors::write("twice.safetensors", twice),
+                       doctest::Contains("two tensors named 'a'"), Error);
 }
 
 TEST_CASE("safetensors: every malformed file is an error naming the file and the problem") {
   auto fails = [](const std::string& path, const char* message) {
-    CHECK_THROWS_WITH_AS(safetensors::File::read(path), doctest::Contains(message), Error);
-    CHECK_THROWS_WITH_AS(safetensors::File::read(path), doctest::Contains(path.c_str()), Error);
+    CHECK_THROWS_WITH_AS(checkpoint::safetensors::File::read(path), doctest::Contains(message), Error);
+    CHECK_THROWS_WITH_AS(checkpoint::safetensors::File::read(path), doctest::Contains(path.c_str()), Error);
   };
   dump("short.safetensors", {'\1', '\0', '\0'});
   fails("short.safetensors", "fewer than the 8 of the header length");
@@ -104,15 +105,16 @@ TEST_CASE("safetensors: every malformed file is an error naming the file and the
   fails("fields.safetensors", "needs dtype, shape and data_offsets");
   raw("meta.safetensors", R"({"__metadata__":{"step":12}})", 0);
   fails("meta.safetensors", "metadata 'step' is not a string");
-  CHECK_THROWS_WITH_AS(safetensors::File::read("no_such.safetensors"), doctest::Contains("cannot open no_such"), Error);
+  CHECK_THROWS_WITH_AS(checkpoint::safetensors::File::read("no_such.safetensors"),
+                       doctest::Contains("cannot open no_such"), Error);
 }
 
 TEST_CASE("safetensors: flipped bytes and truncations read or fail with a named error, never crash") {
   std::vector<float> w(64);
   for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i) * 0.5f;
-  const std::vector<safetensors::TensorRef> tensors = {{"wte.weight", DType::f32, {8, 8}, w.data()},
-                                                       {"wpe.weight", DType::f32, {0}, nullptr}};
-  safetensors::write("fuzz_base.safetensors", tensors, {{"k", "v"}});
+  const std::vector<checkpoint::safetensors::TensorRef> tensors = {{"wte.weight", DType::f32, {8, 8}, w.data()},
+                                                                   {"wpe.weight", DType::f32, {0}, nullptr}};
+  checkpoint::safetensors::write("fuzz_base.safetensors", tensors, {{"k", "v"}});
   const auto base = slurp("fuzz_base.safetensors");
   const auto stream = rng::Stream::named(9, "safetensors fuzz");
   int read = 0, refused = 0;
@@ -128,7 +130,7 @@ TEST_CASE("safetensors: flipped bytes and truncations read or fail with a named 
     }
     dump("fuzz.safetensors", bytes);
     try {
-      const auto f = safetensors::File::read("fuzz.safetensors");
+      const auto f = checkpoint::safetensors::File::read("fuzz.safetensors");
       for (const auto& t : f.tensors()) CHECK(f.bytes(t).size() == t.end - t.begin);
       ++read;
     } catch (const Error& e) {

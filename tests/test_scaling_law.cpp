@@ -492,8 +492,11 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   report.lr_sweep = {{scaling::Parametrization::sp, 256, 1e-3, 3.2},
                      {scaling::Parametrization::mup, 512, 3e-3, 3.1},
                      {scaling::Parametrization::sp, 512, 1e-2, std::numeric_limits<double>::quiet_NaN()}};
-  report.rate_rule = scaling::RateRule{
-      .parametrization = scaling::Parametrization::sp, .lr = 1.5e-2, .base_width = 16, .exponent = 1.1, .why = "measured"};
+  report.rate_rule = scaling::RateRule{.parametrization = scaling::Parametrization::sp,
+                                       .lr = 1.5e-2,
+                                       .base_width = 16,
+                                       .exponent = 1.1,
+                                       .why = "measured"};
   report.rate_trend = scaling::RateTrend{.c_ref = 1e12, .lr_ref = 2e-3, .exponent = -0.125};
   report.excluded_runs = {{"plateau", 1e4, 2e5, 1.2e10, 2.7}};
   report.excluded_why = "val loss not below the bigram loss 2.6";
@@ -546,8 +549,8 @@ TEST_CASE("the report: the power law on the rule's runs, Chinchilla on all, pred
   CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("fit_runs[1] has no field \"loss\""), Error);
   broken = j;
   broken["power_law"]["bootstrap"]["a"]["low"] = 1.0;
-  CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("power_law.bootstrap.a has an unknown field \"low\""),
-                       Error);
+  CHECK_THROWS_WITH_AS(scaling::from_json(broken),
+                       doctest::Contains("power_law.bootstrap.a has an unknown field \"low\""), Error);
   broken = j;
   broken["lr_sweep"][0]["parametrization"] = "ntk";
   CHECK_THROWS_WITH_AS(scaling::from_json(broken), doctest::Contains("lr_sweep[0].parametrization is \"ntk\""), Error);
@@ -603,8 +606,8 @@ TEST_CASE("the report notes a Chinchilla bootstrap with too few usable resamples
   const scaling::PowerLawBootstrap& power_law = report.power_law.bootstrap;
   CHECK(power_law.samples.size() + static_cast<std::size_t>(power_law.degenerate) == 20u);
   CHECK(power_law.samples.size() >= 16u);  // 6 budgets: 98% of resamples keep 3
-  CHECK_THROWS_WITH_AS(scaling::bootstrap_chinchilla(six, scaling::fit_chinchilla(six, options.chinchilla), options.bootstrap,
-                                                  options.chinchilla),
+  CHECK_THROWS_WITH_AS(scaling::bootstrap_chinchilla(six, scaling::fit_chinchilla(six, options.chinchilla),
+                                                     options.bootstrap, options.chinchilla),
                        doctest::Contains("add runs, so that most resamples keep enough of them"), Error);
 }
 
@@ -632,7 +635,7 @@ TEST_CASE("CSV: a header and one row per run, with its role") {
 namespace {
 // A sweep whose loss at each width is a parabola in log2(lr) with its vertex at `best`.
 std::vector<scaling::LrSweepPoint> parabola_sweep(scaling::Parametrization p, std::int64_t width, double best,
-                                               double lowest = 2.5) {
+                                                  double lowest = 2.5) {
   std::vector<scaling::LrSweepPoint> out;
   for (double lr : {1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2}) {
     const double x = std::log2(lr / best);
@@ -656,15 +659,17 @@ TEST_CASE("best rate: the vertex of the parabola through the lowest point and it
   // Hand-worked: losses 2.6498, 2.6377, 2.7095 at 2e-3, 4e-3, 8e-3: the vertex is
   // 0.5 (2.6498 - 2.7095) / (2.6498 - 2 x 2.6377 + 2.7095) = -0.35578 of a step, 4e-3 x 2^-0.35578.
   std::vector<scaling::LrSweepPoint> s{{Parametrization::sp, 64, 1e-3, 2.6689},
-                                    {Parametrization::sp, 64, 8e-3, 2.7095},
-                                    {Parametrization::sp, 64, 2e-3, 2.6498},
-                                    {Parametrization::sp, 64, 4e-3, 2.6377}};
-  CHECK(scaling::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+                                       {Parametrization::sp, 64, 8e-3, 2.7095},
+                                       {Parametrization::sp, 64, 2e-3, 2.6498},
+                                       {Parametrization::sp, 64, 4e-3, 2.6377}};
+  CHECK(scaling::best_rate(s, Parametrization::sp, 64) ==
+        doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
   // The lowest point at an end of the grid is the answer; a diverged run is the worst.
   s.push_back({Parametrization::sp, 64, 5e-4, 2.0});
   CHECK(scaling::best_rate(s, Parametrization::sp, 64) == 5e-4);
   s.back().loss = std::numeric_limits<double>::quiet_NaN();
-  CHECK(scaling::best_rate(s, Parametrization::sp, 64) == doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
+  CHECK(scaling::best_rate(s, Parametrization::sp, 64) ==
+        doctest::Approx(4e-3 * std::pow(2.0, -0.355781)).epsilon(1e-5));
   CHECK_THROWS_WITH_AS(scaling::best_rate(s, Parametrization::mup, 64), doctest::Contains("no mup run at width 64"),
                        Error);
 }

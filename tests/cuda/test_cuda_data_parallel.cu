@@ -69,7 +69,7 @@ Result train_stage(backend::cuda::Context& ctx, int snapshot_after = 0) {
       trainer.reset();
       model = std::make_unique<Model>(cfg, 8);  // other initial values: all must come from the snapshot
       trainer = make_trainer(*model);
-      trainer->restore(train::checkpoint::Source::of(snap), snap.state);
+      trainer->restore(checkpoint::Source::of(snap), snap.state);
     }
   }
   ctx.synchronize();

@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "llmpar/backend/backend.hpp"
+#include "llmpar/checkpoint/checkpoint.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
@@ -64,7 +65,6 @@
 #include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
 #include "llmpar/precision/policy.hpp"
-#include "llmpar/train/checkpoint.hpp"
 #include "llmpar/train/metrics.hpp"
 #include "llmpar/train/spike_guard.hpp"
 
@@ -279,7 +279,7 @@ class Trainer {
   }
   const Scaler& loss_scaler() const { return scaler_; }
 
-  // ---- checkpoints (train/checkpoint.hpp)
+  // ---- checkpoints (checkpoint/checkpoint.hpp)
 
   // This rank's parameters (f32 master values) and AdamW moments, copied to host memory,
   // and the trainer's state. Between steps; every rank calls it (no communication).
@@ -323,7 +323,7 @@ class Trainer {
     restore_state(state, source.what());
   }
   // Only the weights (master and working copy) from `source`, e.g. a Hugging Face file
-  // (train/hf_gpt2.hpp): the moments, the step and the data position stay as they are.
+  // (checkpoint/hf_gpt2.hpp): the moments, the step and the data position stay as they are.
   // Every rank calls it together.
   void load_weights(const checkpoint::Source& source) { fill(source, /*moments=*/false); }
 

@@ -1,4 +1,4 @@
-// llmpar/train/checkpoint.hpp — checkpoints that are atomic, load at any layout and
+// llmpar/checkpoint/checkpoint.hpp — checkpoints that are atomic, load at any layout and
 // resume a run exactly.
 //
 // What is stored. Every parameter's f32 master value and its two AdamW moments, under
@@ -14,7 +14,13 @@
 //   DIR/step_00000200/metadata.json      written last, by rank 0
 //   DIR/step_00000200/rank_00003.safetensors
 //     tensors  param/h.0.attn.c_attn.weight, exp_avg/..., exp_avg_sq/... (1-D F32, n each)
-//     metadata h.0.attn.c_attn.weight -> {"shape":[384,128],"split":[0,2,1,3],"first":0}
+//     metadata h.0.attn.c_attn.weight -> {"shape":[384,128],"split":[0,2,1,3],"first":0,
+//                                         "crc32c":[param's, exp_avg's, exp_avg_sq's]}
+//
+// Checksummed. Every stored tensor carries the CRC-32C of its bytes (core/crc32c.hpp),
+// and a load checks each tensor it reads from, in full, before it uses any of it: a
+// flipped bit is an error naming the tensor and its file, never a different model.
+// (Format version 1, before checksums, still loads, unchecked.)
 //
 // Atomic. Every rank writes its shard into DIR/step_N.tmp.<run>/ (the run id is rank
 // 0's, shared once) as rank_R.safetensors.partial, fsyncs it and renames it to its final
@@ -52,6 +58,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -60,17 +67,19 @@
 #include <utility>
 #include <vector>
 
+#include "llmpar/checkpoint/safetensors.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/config.hpp"
+#include "llmpar/core/crc32c.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/nn/parameter.hpp"
-#include "llmpar/train/safetensors.hpp"
 
-namespace llmpar::train::checkpoint {
+namespace llmpar::checkpoint {
 
 inline constexpr const char* kFormat = "llmpar-checkpoint";
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;  // 2: a CRC-32C per stored tensor
+inline constexpr int kFirstReadableVersion = 1;
 
 // What is stored for each element: the f32 master value and AdamW's two moments.
 enum class Kind : int { param, exp_avg, exp_avg_sq };
@@ -136,6 +145,12 @@ inline std::int64_t run_from(const Shape& full, const nn::Split& s, std::int64_t
   return run - i % run;
 }
 
+inline std::string hex(std::uint32_t v) {
+  char text[16];
+  std::snprintf(text, sizeof text, "%08x", v);
+  return text;
+}
+
 inline std::string shape_text(const Shape& s) {
   std::ostringstream out;
   out << s;
@@ -192,9 +207,12 @@ inline std::int64_t step_of(const std::string& name) {
   return v;
 }
 
-inline nlohmann::json piece_json(const Piece& p) {
+inline nlohmann::json piece_json(const Piece& p, const std::array<std::uint32_t, 3>& crc) {
   std::vector<std::int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
-  return {{"shape", shape}, {"split", {p.split.dim, p.split.parts, p.split.index, p.split.groups}}, {"first", p.first}};
+  return {{"shape", shape},
+          {"split", {p.split.dim, p.split.parts, p.split.index, p.split.groups}},
+          {"first", p.first},
+          {"crc32c", crc}};
 }
 
 }  // namespace detail
@@ -319,17 +337,19 @@ inline void write_shard(const std::string& path, const Snapshot& s, int rank, st
                                           {"rank", std::to_string(rank)},
                                           {"step", std::to_string(step)},
                                           {"run", run}};
+  std::vector<std::array<std::uint32_t, 3>> crc(s.pieces.size());
   for (Kind kind : kKinds) {
     std::int64_t at = 0;
-    for (const Piece& p : s.pieces) {
-      refs.push_back({std::string(kind_name(kind)) + "/" + p.name,
-                      DType::f32,
-                      {p.n},
-                      s.data[static_cast<std::size_t>(kind)].data() + at});
+    for (std::size_t k = 0; k < s.pieces.size(); ++k) {
+      const Piece& p = s.pieces[k];
+      const float* values = s.data[static_cast<std::size_t>(kind)].data() + at;
+      refs.push_back({std::string(kind_name(kind)) + "/" + p.name, DType::f32, {p.n}, values});
+      crc[k][static_cast<std::size_t>(kind)] = crc32c(values, static_cast<std::size_t>(p.n) * sizeof(float));
       at += p.n;
     }
   }
-  for (const Piece& p : s.pieces) meta[p.name] = detail::piece_json(p).dump();
+  for (std::size_t k = 0; k < s.pieces.size(); ++k)
+    meta[s.pieces[k].name] = detail::piece_json(s.pieces[k], crc[k]).dump();
   safetensors::write(path, refs, meta, safetensors::Sync::yes);
 }
 
@@ -358,8 +378,9 @@ class Checkpoint {
     LLMPAR_CHECK(field("format", is_string, "a string") == kFormat, meta_path, " is not an llmpar checkpoint (format '",
                  meta["format"].get<std::string>(), "')");
     const std::int64_t version = field("version", is_count, "a version number").get<std::int64_t>();
-    LLMPAR_CHECK(version == kFormatVersion, meta_path, " has checkpoint format version ", version, "; this llmpar ",
-                 kVersion, " reads version ", kFormatVersion);
+    LLMPAR_CHECK(version >= kFirstReadableVersion && version <= kFormatVersion, meta_path,
+                 " has checkpoint format version ", version, "; this llmpar ", kVersion, " reads versions ",
+                 kFirstReadableVersion, " to ", kFormatVersion);
     c.step_ = field("step", is_count, "a step number").get<std::int64_t>();
     c.run_ = field("run", is_string, "a string").get<std::string>();
     field("state", is_object, "an object");
@@ -401,14 +422,15 @@ class Checkpoint {
       std::size_t described = 0;
       for (const auto& [key, text] : m) {
         if (key == "format" || key == "rank" || key == "step" || key == "run") continue;
-        pieces.push_back(parse_piece(shard_path, key, text));
+        std::optional<std::array<std::uint32_t, 3>> crc;
+        pieces.push_back(parse_piece(shard_path, key, text, version >= 2, crc));
         ++described;
         {
           const safetensors::TensorInfo* t = f.find(std::string("param/") + key);
           LLMPAR_CHECK(t != nullptr && t->shape.size() == 1, shard_path, " has no 1-D tensor 'param/", key, "'");
           pieces.back().n = t->shape[0];
         }
-        Where w{c.files_.size() - 1, {}};
+        Where w{c.files_.size() - 1, {}, crc.value_or(std::array<std::uint32_t, 3>{}), crc.has_value()};
         for (Kind kind : kKinds) {
           const std::string tname = std::string(kind_name(kind)) + "/" + key;
           const safetensors::TensorInfo* t = f.find(tname);
@@ -424,6 +446,7 @@ class Checkpoint {
     }
     c.where_ = where;
     c.pieces_ = pieces;
+    c.verified_.assign(where.size(), {false, false, false});
     return c;
   }
 
@@ -449,10 +472,12 @@ class Checkpoint {
   std::int64_t step() const { return step_; }
   const nlohmann::json& metadata() const { return meta_; }
   const nlohmann::json& state() const { return meta_["state"]; }
-  // The stored pieces, read on demand.
+  // The stored pieces, read on demand; each stored tensor is checked against its
+  // checksum, in full, the first time any of it is read.
   Source source() const {
     return Source("checkpoint " + dir_, pieces_,
                   [this](Kind kind, std::size_t k, std::int64_t first, std::int64_t n, float* out) {
+                    verify(k, kind);
                     const Where& w = where_[k];
                     files_[w.file].read_into(*w.info[static_cast<std::size_t>(kind)],
                                              static_cast<std::uint64_t>(first) * sizeof(float),
@@ -464,8 +489,34 @@ class Checkpoint {
   struct Where {
     std::size_t file;
     std::array<const safetensors::TensorInfo*, 3> info;
+    std::array<std::uint32_t, 3> crc;  // of each kind's bytes
+    bool checked;                      // format 2 and later: the crc is the writer's
   };
-  static Piece parse_piece(const std::string& file, const std::string& name, const std::string& text) {
+
+  // Stored piece k's tensor of `kind` matches its checksum (read once, a MiB at a time).
+  void verify(std::size_t k, Kind kind) const {
+    const Where& w = where_[k];
+    bool& done = verified_[k][static_cast<std::size_t>(kind)];
+    if (done || !w.checked) return;
+    const safetensors::TensorInfo& t = *w.info[static_cast<std::size_t>(kind)];
+    const std::uint64_t total = t.end - t.begin;
+    std::vector<unsigned char> chunk(std::min<std::uint64_t>(total, 1u << 20));
+    std::uint32_t crc = 0;
+    for (std::uint64_t at = 0; at < total; at += chunk.size()) {
+      const std::uint64_t n = std::min<std::uint64_t>(chunk.size(), total - at);
+      files_[w.file].read_into(t, at, n, chunk.data());
+      crc = crc32c(chunk.data(), n, crc);
+    }
+    const std::uint32_t want = w.crc[static_cast<std::size_t>(kind)];
+    LLMPAR_CHECK(crc == want, "checkpoint ", dir_, ": tensor '", t.name, "' in ",
+                 std::filesystem::path(files_[w.file].path()).filename().string(),
+                 " does not match its checksum (CRC-32C ", detail::hex(crc), ", stored ", detail::hex(want),
+                 "): the file is corrupted; resume from another checkpoint (or a copy of this one)");
+    done = true;
+  }
+
+  static Piece parse_piece(const std::string& file, const std::string& name, const std::string& text, bool needs_crc,
+                           std::optional<std::array<std::uint32_t, 3>>& crc) {
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     const auto bad = [&](const char* what) {
       LLMPAR_FAIL(file, ": the description of tensor '", name, "' ", what, " (", text.substr(0, 120), ")");
@@ -496,6 +547,17 @@ class Checkpoint {
     }
     if (!j["first"].is_number_integer() || j["first"].get<std::int64_t>() < 0) bad("has no valid first element");
     p.first = j["first"].get<std::int64_t>();
+    if (needs_crc) {
+      const auto it = j.find("crc32c");
+      if (it == j.end() || !it->is_array() || it->size() != 3) bad("has no crc32c [param, exp_avg, exp_avg_sq]");
+      std::array<std::uint32_t, 3> c{};
+      for (std::size_t i = 0; i < 3; ++i) {
+        const auto& v = (*it)[i];
+        if (!v.is_number_unsigned() || v.get<std::uint64_t>() > 0xffffffffull) bad("has a crc32c that is not 32 bits");
+        c[i] = static_cast<std::uint32_t>(v.get<std::uint64_t>());
+      }
+      crc = c;
+    }
     return p;
   }
 
@@ -506,6 +568,7 @@ class Checkpoint {
   std::vector<safetensors::File> files_;
   std::vector<Piece> pieces_;
   std::vector<Where> where_;
+  mutable std::vector<std::array<bool, 3>> verified_;  // per stored piece and kind: its checksum matched
 };
 
 // The complete checkpoints of a --save directory, oldest first.
@@ -680,4 +743,4 @@ class Checkpointer {
   std::uint64_t last_bytes_ = 0;
 };
 
-}  // namespace llmpar::train::checkpoint
+}  // namespace llmpar::checkpoint

@@ -1,4 +1,4 @@
-// llmpar/train/safetensors.hpp — reading and writing Hugging Face's safetensors format.
+// llmpar/checkpoint/safetensors.hpp — reading and writing Hugging Face's safetensors format.
 //
 // A safetensors file is an 8-byte little-endian header length N, N bytes of JSON, then
 // the tensors' bytes. The JSON maps each tensor's name to {"dtype", "shape",
@@ -41,7 +41,7 @@
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 
-namespace llmpar::safetensors {
+namespace llmpar::checkpoint::safetensors {
 
 // The format's name of a dtype, and back.
 inline const char* format_name(DType t) {
@@ -312,4 +312,4 @@ class File {
   std::vector<std::byte> data_;
 };
 
-}  // namespace llmpar::safetensors
+}  // namespace llmpar::checkpoint::safetensors

@@ -1,4 +1,4 @@
-// llmpar/train/hf_gpt2.hpp — GPT-2 weights in Hugging Face's safetensors layout, in and
+// llmpar/checkpoint/hf_gpt2.hpp — GPT-2 weights in Hugging Face's safetensors layout, in and
 // out: start a run from the hub's gpt2 (or any transformers GPT-2), hand a trained model
 // to transformers.
 //
@@ -48,15 +48,15 @@
 #include <string_view>
 #include <vector>
 
+#include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/checkpoint/safetensors.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/nn/parameter.hpp"
-#include "llmpar/train/checkpoint.hpp"
-#include "llmpar/train/safetensors.hpp"
 
-namespace llmpar::train::hf {
+namespace llmpar::checkpoint::hf {
 
 // How one of our tensors is stored in HF's layout.
 enum class Mapping {
@@ -328,4 +328,4 @@ inline void write_gpt2(const std::string& path, const checkpoint::Source& source
   safetensors::write(path, refs, {{"format", "pt"}});
 }
 
-}  // namespace llmpar::train::hf
+}  // namespace llmpar::checkpoint::hf
