@@ -7,12 +7,12 @@
 // lse (B, NH, T)), the same math (math::OnlineSoftmax, math::exp) and the same outputs.
 // Nothing of size T x T is stored. The mask is causal (GPT) or none (AttentionMask).
 //
-// Forward, SIMT path (float storage, hs = 32, and the reference of the tensor-core
-// path). One CTA per (query tile, b*h): its kQueryTile query rows
-// are staged in shared memory once; key and value tiles of 32 keys stream through
-// shared memory in order. Each warp owns kRowsPerWarp query rows and each lane one key
-// of the tile: a lane dots its key with all of the warp's rows (the rows are broadcast
-// reads, its key row is padded to hs + 1 floats so the 32 lanes hit 32 banks), the
+// Forward, SIMT path (float storage, 16-bit storage in views the tensor-core path
+// cannot load, and the reference of that path). One CTA per (query tile, b*h): its
+// kQueryTile query rows are staged in shared memory once; key and value tiles of 32 keys
+// stream through shared memory in order. Each warp owns kRowsPerWarp query rows and each
+// lane one key of the tile: a lane dots its key with all of the warp's rows (the rows are
+// broadcast reads, its key row is padded to kHs + 1 floats so the 32 lanes hit 32 banks), the
 // warp reduces each row's tile max and sum with shuffles, and every lane keeps the same
 // math::OnlineSoftmax state per row. For p . V the roles turn: a lane owns the columns
 // d = lane + 32 e of each row's unnormalised output (registers) and reads the row's 32
@@ -20,7 +20,7 @@
 // loaded, warps whose rows all precede a tile skip it, and the diagonal tile is masked
 // per element. Rows are normalised at the end and lse = log-sum-exp is written.
 //
-// Forward, tensor-core path (bf16/f16 storage, hs = 64 or 128). Attention is two
+// Forward, tensor-core path (bf16/f16 storage, every head size). Attention is two
 // matrix products per tile; on CUDA cores in float it runs at a few percent of an
 // H100/H200's bf16 tensor-core rate, so the 16-bit forward uses mma.sync
 // (m16n8k16, f32 accumulate; sm_80 and newer). One CTA of 4 warps per (64 query rows,
@@ -36,20 +36,25 @@
 // softmax sum uses p unrounded, as FlashAttention does. Causal: tiles above the diagonal
 // are skipped, tiles touching it or the ragged end are masked per element; padding
 // rows of k and v are zero-filled, padding query rows are never written. The launcher
-// picks this path when it can (16-bit T, hs 64/128, qkv 16-byte and out 4-byte
+// picks this path when it can (16-bit T, qkv 16-byte and out 4-byte
 // aligned) and the SIMT path otherwise. The three inline-PTX wrappers (mma_m16n8k16,
-// ldmatrix_x4, ldmatrix_x4_trans) are all it knows of the hardware; the kernel was
-// validated without a GPU by running it in a host emulation (one thread per CUDA
-// thread) that replaces exactly those wrappers by implementations of the PTX ISA's
-// fragment layouts. Not done yet: cp.async double buffering of the k/v tiles, a
-// larger query tile (128 rows, 8 warps) and wgmma (sm_90a), which is what reaching
-// half of an H200's peak would take; the backward is SIMT only.
+// ldmatrix_x4, ldmatrix_x4_trans) are all it knows of the hardware. Not done yet:
+// cp.async double buffering of the k/v tiles, a larger query tile (128 rows, 8 warps)
+// and wgmma (sm_90a), which is what reaching half of an H200's peak would take; the
+// backward is SIMT only.
+//
+// Validation without a GPU: every kernel here also runs on the CPU, compiled by the host
+// compiler in the emulation of tests/cuda_emulation (one fiber per CUDA thread, real
+// barriers and shuffles, mma and ldmatrix computed from the PTX ISA's fragment layouts
+// in place of the inline PTX; LLMPAR_CUDA_EMULATION selects those, and launch_kernel and
+// dynamic_shared_memory of common.cuh are the other seams). Its ctest,
+// test_cuda_emulation_attention, checks them against the CPU kernel at every head size.
 //
 // Backward (FlashAttention-2), three kernels, all deterministic (no atomics):
 //   1. D_t = dout_t . out_t, one warp per row, into the caller's workspace (B, NH, T).
 //   2. dK, dV: one CTA per (key tile, b*h); the CTA's keys sit in shared memory, and the
-//      query tiles at or after them (all of them without a mask) stream through it in
-//      order, 32 rows each, one row per lane: p = exp(s - lse), dp = dout . v,
+//      query tiles from the one holding its first key on (all of them without a mask)
+//      stream through it in order, 32 rows each, one row per lane: p = exp(s - lse), dp = dout . v,
 //      ds = p (dp - D) scale; dv += p dout, dk += ds q, accumulated in registers by the
 //      warp that owns the key (lane = column, as in the forward's p . V).
 //   3. dQ: one CTA per (query tile, b*h), the forward's shape, visiting key tiles in
@@ -60,9 +65,24 @@
 // results are bitwise reproducible run to run. The tiles differ from the CPU kernel's,
 // so the two agree to float rounding, not bitwise.
 //
-// Head sizes. hs is a template parameter (32, 64 or 128) so the per-lane column arrays
-// (and the tensor-core path's fragment arrays) live in registers; the launchers reject
-// other head sizes by name.
+// Head sizes: every multiple of 8 from 16 to 256, as FlashAttention (8 keeps every row
+// 16-byte aligned). The per-lane column arrays and the tensor-core fragment arrays must
+// live in registers, so kernels are compiled for a few head sizes kHs, the buckets
+// SimtHeadSizes and TcHeadSizes, and a head of hs <= kHs columns runs the kernels of the
+// smallest bucket that holds it: its rows are zero-padded to kHs columns in shared
+// memory, where the padding adds exact zeros to every dot product and makes output
+// columns that are never stored; global memory is addressed with the true hs, and scores
+// are scaled by 1/sqrt(hs). with_head_size is the one place a run-time hs becomes a
+// bucket. The buckets are the powers of two from 32 to 256, for both paths, a choice by
+// measurement of what every .cu that includes this header pays per GPU architecture:
+// nvcc 13 compiles all its kernels (3 storage types x 2 masks) for sm_90a in 25 s of CPU
+// time with these buckets (91 kernels; the 4 tensor-core ones at 256 take 3.6 s), 17 s
+// with the three head sizes before (71), and 34 s with FlashAttention's multiples of 32
+// on the SIMT path and to 128 on tensor cores (163). 64 and 128, the head sizes models
+// mostly use, are buckets and pay nothing for the others; a padded head (e.g. 80 in 128)
+// pays the padding's flops instead. Rows per warp shrink with kHs so the SIMT
+// accumulators fit the registers; no instantiation spills (nvcc -Xptxas -v, sm_90a and
+// sm_80; the tensor-core forward at 256 uses 254 of the 255 registers a thread can have).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,6 +92,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "llmpar/backend/cuda/check.hpp"
 #include "llmpar/core/error.hpp"
@@ -91,20 +112,72 @@ inline constexpr int kThreads = kWarps * kWarp;  // threads per CTA
 inline constexpr int kKeyTile = kWarp;           // keys per streamed key tile (forward, dq): one per lane
 inline constexpr int kRowTile = kWarp;           // query rows per streamed query tile (dk/dv): one per lane
 
-// Tile shapes for head size kHs.
+// The supported head sizes hs = C / NH: kHeadSizeStep, 2 kHeadSizeStep, ... up to kMaxHeadSize,
+// from kMinHeadSize.
+inline constexpr int kMinHeadSize = 16;
+inline constexpr int kMaxHeadSize = 256;
+inline constexpr int kHeadSizeStep = 8;
+
+// The head sizes the kernels are compiled for (see "Head sizes" above), ascending; the
+// last of each is the largest head size the path serves.
+using SimtHeadSizes = std::integer_sequence<int, 32, 64, 128, 256>;
+using TcHeadSizes = std::integer_sequence<int, 32, 64, 128, 256>;
+inline constexpr int kTcMaxHeadSize = 256;
+
+// Calls f(std::integral_constant<int, kHs>{}) for the first kHs of the list with
+// hs <= kHs (the last if none: callers have checked hs) and returns its result: the one
+// place where a run-time head size becomes a compile-time one.
+template <int kHs, int... kLarger, class F>
+decltype(auto) with_head_size(std::integer_sequence<int, kHs, kLarger...>, std::int64_t hs, F&& f) {
+  if constexpr (sizeof...(kLarger) == 0) {
+    return f(std::integral_constant<int, kHs>{});
+  } else {
+    if (hs <= kHs) return f(std::integral_constant<int, kHs>{});
+    return with_head_size(std::integer_sequence<int, kLarger...>{}, hs, std::forward<F>(f));
+  }
+}
+
+// The same for the mask: f(std::integral_constant<AttentionMask, mask>{}).
+template <class F>
+decltype(auto) with_mask(AttentionMask mask, F&& f) {
+  if (mask == AttentionMask::causal) return f(std::integral_constant<AttentionMask, AttentionMask::causal>{});
+  return f(std::integral_constant<AttentionMask, AttentionMask::none>{});
+}
+
+// What every kernel is told of the problem besides its pointers (B is the grid's).
+struct Shape {
+  std::int64_t T_len;  // tokens per sequence
+  std::int64_t C;      // channels, NH heads of hs
+  std::int64_t NH;     // heads
+  int hs;              // head size C / NH: a multiple of 8, at most the kernel's compiled kHs
+};
+
+// Tile shapes of the SIMT kernels compiled for head size kHs.
 template <int kHs>
 struct Tiles {
-  static_assert(kHs == 32 || kHs == 64 || kHs == 128, "attention kernels are compiled for head sizes 32, 64 and 128");
+  static_assert(kHs % kWarp == 0 && kHs >= kWarp && kHs <= kMaxHeadSize,
+                "the SIMT attention kernels are compiled for multiples of 32 from 32 to 256");
   static constexpr int kPerLane = kHs / kWarp;  // columns per lane: d = lane + 32 e, e < kPerLane
   static constexpr int kPadded = kHs + 1;       // row stride of a tile read one row per lane (conflict-free)
-  // Forward and dq: rows per warp and per CTA. Fewer rows at hs = 128 keep the output
-  // accumulators (kRowsPerWarp x kPerLane floats per lane) within the register budget.
-  static constexpr int kRowsPerWarp = kHs == 128 ? 8 : 16;
+  // Forward and dq: rows per warp and per CTA. The output accumulators (kRowsPerWarp x
+  // kPerLane floats per lane) stay at most 32 floats so that, with the kernels' other
+  // arrays, they fit the registers without spills at every kHs.
+  static constexpr int kRowsPerWarp = kPerLane <= 2 ? 16 : kPerLane <= 4 ? 8 : 4;
   static constexpr int kQueryTile = kWarps * kRowsPerWarp;
-  // dk/dv: keys per warp and per CTA, for the same reason.
-  static constexpr int kKeysPerWarp = kHs == 128 ? 8 : 16;
+  // dk/dv: keys per warp and per CTA, for the same reason (two accumulators, dk and dv).
+  static constexpr int kKeysPerWarp = kPerLane <= 2 ? 16 : kPerLane <= 4 ? 8 : 4;
   static constexpr int kKeyTileBwd = kWarps * kKeysPerWarp;
-  static_assert(kKeyTileBwd % kRowTile == 0, "dk/dv key tiles start on a query tile boundary");
+  static_assert(kKeyTileBwd % kRowTile == 0 || kRowTile % kKeyTileBwd == 0,
+                "a dk/dv key tile starts on a query tile boundary or inside one query tile");
+  // The fewest rows any of the kernels' tiles has: a grid's y extent is T over it.
+  static constexpr int kSmallestTile = std::min(kQueryTile, kKeyTileBwd);
+  // CTAs per SM a kernel asks registers for (__launch_bounds__' second argument; 3 caps
+  // a thread at 168 registers, 2 at 255). 0 leaves the count to ptxas, which weighs
+  // occupancy against spills itself; where it chose a few bytes of spills (dq at kHs 64
+  // and 256, nvcc 13, sm_90a), the count is set to where nothing spills.
+  static constexpr int kForwardMinBlocks = 0;
+  static constexpr int kDqMinBlocks = kHs == 64 ? 2 : kHs == 256 ? 3 : 0;
+  static constexpr int kDkvMinBlocks = 0;
 
   // Shared memory of each kernel, in floats. Every part is a multiple of 4 floats, so
   // each part starts 16-byte aligned (float4 reads).
@@ -124,16 +197,17 @@ struct Tiles {
                 "every kernel's shared memory fits an sm_80 CTA (163 KiB)");
 };
 
-#if defined(__CUDACC__)
+#if defined(LLMPAR_DEVICE_CODE)
 
-// dst: (kRows, kStride) floats in shared memory <- rows [0, n) of a head, kHs stored
-// elements each, `ld` elements apart in src; rows [n, kRows) are zero (ragged tails).
+// dst: (kRows, kStride) floats in shared memory <- rows [0, n) of a head, hs stored
+// elements each, `ld` elements apart in src; columns [hs, kHs) (the padding to the
+// compiled head size) and rows [n, kRows) (ragged tails) are zero.
 template <int kHs, int kRows, int kStride, class T>
-__device__ __forceinline__ void load_tile(float* dst, const T* src, std::int64_t ld, int n) {
+__device__ __forceinline__ void load_tile(float* dst, const T* src, std::int64_t ld, int n, int hs) {
   for (int idx = threadIdx.x; idx < kRows * kHs; idx += blockDim.x) {
     const int r = idx / kHs;
     const int d = idx % kHs;
-    dst[r * kStride + d] = r < n ? load(src[r * ld + d]) : 0.0f;
+    dst[r * kStride + d] = r < n && d < hs ? load(src[r * ld + d]) : 0.0f;
   }
 }
 
@@ -189,22 +263,22 @@ __device__ __forceinline__ void axpy_lanes(float (&acc)[kRows][kHs / kWarp], con
 
 // Grid: (B*NH, query tiles), the last query tile (most keys) at blockIdx.y = 0 so the
 // longest CTAs start first. Block: kThreads. Dynamic shared memory: kForwardSmem floats.
-// out: (B, T, C); lse: (B, NH, T); qkv: (B, T, 3C).
+// out: (B, T, C); lse: (B, NH, T); qkv: (B, T, 3C); shape.hs <= kHs.
 template <class T, int kHs, AttentionMask kMask>
-__global__ void __launch_bounds__(kThreads)
-    forward_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, std::int64_t T_len,
-                   std::int64_t C, std::int64_t NH) {
+__global__ void __launch_bounds__(kThreads, Tiles<kHs>::kForwardMinBlocks)
+    forward_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, Shape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kRows = Tl::kRowsPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  extern __shared__ float4 smem_raw[];
-  float* qs = reinterpret_cast<float*>(smem_raw);  // (kQueryTile, kHs) this CTA's q rows
+  float* qs = dynamic_shared_memory<float>();      // (kQueryTile, kHs) this CTA's q rows
   float* ks = qs + Tl::kQueryTile * kHs;           // (kKeyTile, kPadded) key tile
   float* vs = ks + kKeyTile * kPadded;             // (kKeyTile, kHs) value tile
   float* ps = vs + kKeyTile * kHs;                 // (kWarps, kRows, kKeyTile) weights
 
+  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
+  const int hs = shape.hs;
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t bh = blockIdx.x;
@@ -213,10 +287,10 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t C3 = 3 * C;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * Tl::kQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(Tl::kQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * kHs;  // (T, 3C), at this head's q columns
-  const float scale = 1.0f / sqrtf(static_cast<float>(kHs));
+  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni);
+  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni, hs);
 
   const std::int64_t r0 = i0 + warp * kRows;  // this warp's first row
   const float* qw = qs + warp * kRows * kHs;  // (kRows, kHs) this warp's q rows
@@ -228,8 +302,8 @@ __global__ void __launch_bounds__(kThreads)
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj);
-    load_tile<kHs, kKeyTile, kHs>(vs, head + j0 * C3 + 2 * C, C3, nj);
+    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj, hs);
+    load_tile<kHs, kKeyTile, kHs>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
     __syncthreads();                               // ks, vs (and, at the first tile, qs) are written
     if (r0 >= T_len) continue;                     // this warp's rows are all padding
     if (kCausal && j0 > r0 + kRows - 1) continue;  // every key is after every row of this warp
@@ -263,55 +337,52 @@ __global__ void __launch_bounds__(kThreads)
     const std::int64_t i = r0 + r;
     if (i >= T_len) break;
     const float inv = 1.0f / state[r].sum;
-    T* orow = out + (b * T_len + i) * C + h * kHs;  // (hs)
+    T* orow = out + (b * T_len + i) * C + h * hs;  // (hs)
 #pragma unroll
-    for (int e = 0; e < kE; ++e) orow[lane + kWarp * e] = store<T>(o[r][e] * inv);
+    for (int e = 0; e < kE; ++e)
+      if (lane + kWarp * e < hs) orow[lane + kWarp * e] = store<T>(o[r][e] * inv);
     if (lane == 0) lse[bh * T_len + i] = state[r].log_sum_exp();
   }
 }
 
-// D[bh, t] = dout[b, t, head h] . out[b, t, head h]: one warp per row.
+// D[bh, t] = dout[b, t, head h] . out[b, t, head h]: one warp per row, lane l summing
+// columns l, l + 32, ... in order (any hs: nothing is kept per column).
 // Grid: ceil(B*NH*T / kWarps). dsum: (B, NH, T); dout, out: (B, T, C).
-template <class T, int kHs>
-__global__ void __launch_bounds__(kThreads)
-    dsum_kernel(float* LLMPAR_RESTRICT dsum, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT out,
-                std::int64_t rows, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+template <class T>
+__global__ void __launch_bounds__(kThreads) dsum_kernel(float* LLMPAR_RESTRICT dsum, const T* LLMPAR_RESTRICT dout,
+                                                        const T* LLMPAR_RESTRICT out, std::int64_t rows, Shape shape) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-  if (row >= rows) return;
-  const std::int64_t bh = row / T_len;
-  const std::int64_t t = row % T_len;
-  const std::int64_t offset = ((bh / NH) * T_len + t) * C + (bh % NH) * kHs;
+  if (row >= rows) return;  // the whole warp: its lanes share the row
+  const std::int64_t bh = row / shape.T_len;
+  const std::int64_t t = row % shape.T_len;
+  const std::int64_t offset = ((bh / shape.NH) * shape.T_len + t) * shape.C + (bh % shape.NH) * shape.hs;
   float acc = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kHs / kWarp; ++e) {
-    const std::int64_t d = offset + lane + kWarp * e;
-    acc = fmaf(load(dout[d]), load(out[d]), acc);
-  }
+  for (int d = lane; d < shape.hs; d += kWarp) acc = fmaf(load(dout[offset + d]), load(out[offset + d]), acc);
   acc = warp_sum(acc);
   if (lane == 0) dsum[row] = acc;
 }
 
 // dq. Grid: (B*NH, query tiles), last tile first. Dynamic shared memory: kDqSmem floats.
 // dqkv: (B, T, 3C), columns [0, C) written; dout: (B, T, C); qkv: (B, T, 3C);
-// lse, dsum: (B, NH, T).
+// lse, dsum: (B, NH, T); shape.hs <= kHs.
 template <class T, int kHs, AttentionMask kMask>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDqMinBlocks)
     backward_dq_kernel(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                       const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, std::int64_t T_len,
-                       std::int64_t C, std::int64_t NH) {
+                       const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, Shape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kRows = Tl::kRowsPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  extern __shared__ float4 smem_raw[];
-  float* qs = reinterpret_cast<float*>(smem_raw);  // (kQueryTile, kHs) q rows
+  float* qs = dynamic_shared_memory<float>();      // (kQueryTile, kHs) q rows
   float* gs = qs + Tl::kQueryTile * kHs;           // (kQueryTile, kHs) dout rows
   float* ks = gs + Tl::kQueryTile * kHs;           // (kKeyTile, kPadded) key tile
   float* vs = ks + kKeyTile * kPadded;             // (kKeyTile, kPadded) value tile
   float* dss = vs + kKeyTile * kPadded;            // (kWarps, kRows, kKeyTile) ds * scale
 
+  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
+  const int hs = shape.hs;
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t bh = blockIdx.x;
@@ -320,11 +391,11 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t C3 = 3 * C;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * Tl::kQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(Tl::kQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * kHs;  // (T, 3C), at this head's q columns
-  const float scale = 1.0f / sqrtf(static_cast<float>(kHs));
+  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni);
-  load_tile<kHs, Tl::kQueryTile, kHs>(gs, dout + (b * T_len + i0) * C + h * kHs, C, ni);
+  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni, hs);
+  load_tile<kHs, Tl::kQueryTile, kHs>(gs, dout + (b * T_len + i0) * C + h * hs, C, ni, hs);
 
   const std::int64_t r0 = i0 + warp * kRows;   // this warp's first row
   const float* qw = qs + warp * kRows * kHs;   // (kRows, kHs)
@@ -344,8 +415,8 @@ __global__ void __launch_bounds__(kThreads)
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj);
-    load_tile<kHs, kKeyTile, kPadded>(vs, head + j0 * C3 + 2 * C, C3, nj);
+    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj, hs);
+    load_tile<kHs, kKeyTile, kPadded>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
     __syncthreads();  // ks, vs (and, at the first tile, qs and gs) are written
     if (r0 >= T_len) continue;
     if (kCausal && j0 > r0 + kRows - 1) continue;
@@ -370,9 +441,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRows; ++r) {
     const std::int64_t i = r0 + r;
     if (i >= T_len) break;
-    T* drow = dqkv + (b * T_len + i) * C3 + h * kHs;  // (hs) dq of row i
+    T* drow = dqkv + (b * T_len + i) * C3 + h * hs;  // (hs) dq of row i
 #pragma unroll
-    for (int e = 0; e < kE; ++e) drow[lane + kWarp * e] = store<T>(dq[r][e]);
+    for (int e = 0; e < kE; ++e)
+      if (lane + kWarp * e < hs) drow[lane + kWarp * e] = store<T>(dq[r][e]);
   }
 }
 
@@ -380,17 +452,15 @@ __global__ void __launch_bounds__(kThreads)
 // under a causal mask) at blockIdx.y = 0. Dynamic shared memory: kDkvSmem floats.
 // dqkv: (B, T, 3C), columns [C, 3C) written; the rest as backward_dq_kernel.
 template <class T, int kHs, AttentionMask kMask>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDkvMinBlocks)
     backward_dkv_kernel(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                        const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, std::int64_t T_len,
-                        std::int64_t C, std::int64_t NH) {
+                        const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, Shape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kKeys = Tl::kKeysPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  extern __shared__ float4 smem_raw[];
-  float* kown = reinterpret_cast<float*>(smem_raw);  // (kKeyTileBwd, kHs) this CTA's key rows
+  float* kown = dynamic_shared_memory<float>();      // (kKeyTileBwd, kHs) this CTA's key rows
   float* vown = kown + Tl::kKeyTileBwd * kHs;        // (kKeyTileBwd, kHs) its value rows
   float* qs = vown + Tl::kKeyTileBwd * kHs;          // (kRowTile, kPadded) query tile
   float* gs = qs + kRowTile * kPadded;               // (kRowTile, kPadded) dout tile
@@ -399,6 +469,8 @@ __global__ void __launch_bounds__(kThreads)
   float* ls = dss + Tl::kKeyTileBwd * kRowTile;      // (kRowTile) lse of the tile's rows
   float* Ds = ls + kRowTile;                         // (kRowTile) D of the tile's rows
 
+  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
+  const int hs = shape.hs;
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t bh = blockIdx.x;
@@ -407,12 +479,12 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t C3 = 3 * C;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * Tl::kKeyTileBwd;
   const int nj = static_cast<int>(std::min<std::int64_t>(Tl::kKeyTileBwd, T_len - j0));
-  const T* head = qkv + b * T_len * C3 + h * kHs;   // (T, 3C), at this head's q columns
-  const T* ghead = dout + b * T_len * C + h * kHs;  // (T, C), at this head's columns
-  const float scale = 1.0f / sqrtf(static_cast<float>(kHs));
+  const T* head = qkv + b * T_len * C3 + h * hs;   // (T, 3C), at this head's q columns
+  const T* ghead = dout + b * T_len * C + h * hs;  // (T, C), at this head's columns
+  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kKeyTileBwd, kHs>(kown, head + j0 * C3 + C, C3, nj);
-  load_tile<kHs, Tl::kKeyTileBwd, kHs>(vown, head + j0 * C3 + 2 * C, C3, nj);
+  load_tile<kHs, Tl::kKeyTileBwd, kHs>(kown, head + j0 * C3 + C, C3, nj, hs);
+  load_tile<kHs, Tl::kKeyTileBwd, kHs>(vown, head + j0 * C3 + 2 * C, C3, nj, hs);
 
   const std::int64_t k0 = j0 + warp * kKeys;    // this warp's first key
   const float* kw = kown + warp * kKeys * kHs;  // (kKeys, kHs)
@@ -422,13 +494,13 @@ __global__ void __launch_bounds__(kThreads)
   float dk[kKeys][kE] = {};
   float dv[kKeys][kE] = {};
 
-  // Under the causal mask rows before j0 see none of these keys; j0 is a multiple of
-  // kRowTile, so the first visited tile starts at j0.
-  for (std::int64_t i0 = kCausal ? j0 : 0; i0 < T_len; i0 += kRowTile) {
+  // Under the causal mask rows before j0 see none of these keys: the first visited query
+  // tile is the one holding row j0 (its rows before j0 are masked like any row before a key).
+  for (std::int64_t i0 = kCausal ? j0 - j0 % kRowTile : 0; i0 < T_len; i0 += kRowTile) {
     const int ni = static_cast<int>(std::min<std::int64_t>(kRowTile, T_len - i0));
     __syncthreads();  // the previous query tile is no longer read
-    load_tile<kHs, kRowTile, kPadded>(qs, head + i0 * C3, C3, ni);
-    load_tile<kHs, kRowTile, kPadded>(gs, ghead + i0 * C, C, ni);
+    load_tile<kHs, kRowTile, kPadded>(qs, head + i0 * C3, C3, ni, hs);
+    load_tile<kHs, kRowTile, kPadded>(gs, ghead + i0 * C, C, ni, hs);
     if (threadIdx.x < kRowTile) {
       const int t = static_cast<int>(threadIdx.x);
       ls[t] = t < ni ? lse[bh * T_len + i0 + t] : 0.0f;
@@ -463,9 +535,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kKeys; ++k) {
     const std::int64_t j = k0 + k;
     if (j >= T_len) break;
-    T* drow = dqkv + (b * T_len + j) * C3 + h * kHs;  // (3C) row j, at this head's dq columns
+    T* drow = dqkv + (b * T_len + j) * C3 + h * hs;  // (3C) row j, at this head's dq columns
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
+      if (lane + kWarp * e >= hs) continue;
       drow[C + lane + kWarp * e] = store<T>(dk[k][e]);
       drow[2 * C + lane + kWarp * e] = store<T>(dv[k][e]);
     }
@@ -473,7 +546,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core path (bf16/f16 storage, hs 64 or 128): the forward on mma.sync.
+// Tensor-core path (bf16/f16 storage): the forward on mma.sync.
 // ---------------------------------------------------------------------------------------
 
 // Tensor-core primitives (inline PTX, sm_80 and newer, sm_90a included). Everything the
@@ -481,7 +554,9 @@ __global__ void __launch_bounds__(kThreads)
 // fragment layouts of the PTX ISA (section 9.7.14.5.8 "Matrix Fragments for mma.m16n8k16
 // with floating point type" and 9.7.14.5.15 "Warp-level matrix load instruction:
 // ldmatrix"). Lane l of a warp is in group g = l / 4 at position t = l % 4; a .b32
-// register holds two 16-bit elements, the lower-indexed one in its low half.
+// register holds two 16-bit elements, the lower-indexed one in its low half. The host
+// emulation (LLMPAR_CUDA_EMULATION) implements the same contracts on the CPU
+// (tests/cuda_emulation/cuda_emulation.hpp).
 
 // d (16x8, f32) += a (16x16, T, row-major) * b (16x8, T, column-major), one warp.
 // Fragments of lane (g, t):
@@ -492,6 +567,9 @@ template <class T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
                                              std::uint32_t b1) {
   static_assert(std::is_same_v<T, bf16> || std::is_same_v<T, f16>, "mma.m16n8k16 multiplies bf16 or f16");
+#if defined(LLMPAR_CUDA_EMULATION)
+  ::llmpar::emulation::mma_m16n8k16<T>(d, a, b0, b1);
+#else
   if constexpr (std::is_same_v<T, bf16>) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -505,25 +583,34 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#endif
 }
 
 // Four 8x8 matrices of 16-bit elements from shared memory, one warp: lanes 8j..8j+7
 // give the addresses of the 8 rows (16 bytes each, 16-byte aligned) of matrix j, and
 // r[j] of lane (g, t) receives row g, elements 2t and 2t+1 of matrix j.
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
+#if defined(LLMPAR_CUDA_EMULATION)
+  ::llmpar::emulation::ldmatrix_x4(r, row, false);
+#else
   const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+#endif
 }
 
 // The same, each matrix transposed: r[j] of lane (g, t) receives elements (2t, g) and
 // (2t+1, g) of matrix j (row, column of the rows as addressed).
 __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* row) {
+#if defined(LLMPAR_CUDA_EMULATION)
+  ::llmpar::emulation::ldmatrix_x4(r, row, true);
+#else
   const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+#endif
 }
 
 // Tensor-core path: tiles and helpers.
@@ -535,7 +622,8 @@ inline constexpr int kTcKeyTile = 64;  // keys per streamed key tile
 
 template <int kHs>
 struct TcTiles {
-  static_assert(kHs == 64 || kHs == 128, "the tensor-core attention kernel is compiled for head sizes 64 and 128");
+  static_assert(kHs % 16 == 0 && kHs >= 16 && kHs <= kTcMaxHeadSize,
+                "the tensor-core attention kernel is compiled for multiples of 16 from 16 to 256");
   // Shared rows are kHs + 8 elements apart: the 8 rows one ldmatrix matrix reads are then
   // 16 bytes apart modulo 128 and fall in distinct banks; the stride stays a multiple
   // of 16 bytes, as ldmatrix and the 16-byte tile stores need.
@@ -550,21 +638,27 @@ struct TcTiles {
   static_assert(kStride * 2 % 16 == 0, "shared rows start 16-byte aligned");
   static_assert(kKeyN % 2 == 0 && kDimN % 2 == 0, "ldmatrix_x4 feeds two n tiles at a time");
   static_assert(kSmemBytes <= 163 * 1024, "the tensor-core forward's shared memory fits an sm_80 CTA");
+  // CTAs per SM the kernel asks registers for, as Tiles' (ptxas spilled at kHs = 32).
+  // At 256 the q fragments and the output accumulators take 192 of the thread's
+  // registers; it uses 254 and does not spill.
+  static constexpr int kMinBlocks = kHs == 32 ? 3 : 0;
 };
 
-// dst: (kRows, kStride) elements in shared memory <- rows [0, n) of a head, kHs stored
-// elements each, `ld` elements apart in src; rows [n, kRows) are zero (ragged tails).
-// Moves 16-byte chunks: src rows start 16-byte aligned (the launcher checks the base
-// pointer; ld and the head offsets are multiples of 8 elements).
+// dst: (kRows, kStride) elements in shared memory <- rows [0, n) of a head, hs stored
+// elements each, `ld` elements apart in src; columns [hs, kHs) (padding to the compiled
+// head size) and rows [n, kRows) (ragged tails) are zero. Moves 16-byte chunks: src
+// rows start 16-byte aligned (the launcher checks the base pointer; ld, hs and the head
+// offsets are multiples of 8 elements, so a row is whole chunks).
 template <int kHs, int kRows, int kStride, class T>
-__device__ __forceinline__ void load_tile_b16(T* dst, const T* src, std::int64_t ld, int n) {
+__device__ __forceinline__ void load_tile_b16(T* dst, const T* src, std::int64_t ld, int n, int hs) {
   static_assert(sizeof(T) == 2, "16-bit storage");
   constexpr int kChunks = kHs / 8;  // 16-byte chunks per row
+  const int chunks = hs / 8;        // of them, the head's
   for (int idx = threadIdx.x; idx < kRows * kChunks; idx += blockDim.x) {
     const int r = idx / kChunks;
     const int c = idx % kChunks;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < n) v = *reinterpret_cast<const uint4*>(src + r * ld + 8 * c);
+    if (r < n && c < chunks) v = *reinterpret_cast<const uint4*>(src + r * ld + 8 * c);
     *reinterpret_cast<uint4*>(dst + r * kStride + 8 * c) = v;
   }
 }
@@ -588,19 +682,20 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // Grid: (B*NH, query tiles of kTcQueryTile), the last query tile first. Block:
 // kTcThreads. Dynamic shared memory: TcTiles<kHs>::kSmemBytes.
-// out: (B, T, C), 4-byte aligned; lse: (B, NH, T); qkv: (B, T, 3C), 16-byte aligned.
+// out: (B, T, C), 4-byte aligned; lse: (B, NH, T); qkv: (B, T, 3C), 16-byte aligned;
+// shape.hs <= kHs.
 template <class T, int kHs, AttentionMask kMask>
-__global__ void __launch_bounds__(kTcThreads)
-    forward_tc_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv,
-                      std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+__global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
+    forward_tc_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, Shape shape) {
   using Tl = TcTiles<kHs>;
   constexpr int kStride = Tl::kStride;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  extern __shared__ float4 smem_raw[];
-  T* qs = reinterpret_cast<T*>(smem_raw);  // (kTcQueryTile, kStride) this CTA's q rows
-  T* ks = qs + kTcQueryTile * kStride;     // (kTcKeyTile, kStride) key tile
-  T* vs = ks + kTcKeyTile * kStride;       // (kTcKeyTile, kStride) value tile
+  T* qs = dynamic_shared_memory<T>();   // (kTcQueryTile, kStride) this CTA's q rows
+  T* ks = qs + kTcQueryTile * kStride;  // (kTcKeyTile, kStride) key tile
+  T* vs = ks + kTcKeyTile * kStride;    // (kTcKeyTile, kStride) value tile
 
+  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
+  const int hs = shape.hs;
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
@@ -611,8 +706,8 @@ __global__ void __launch_bounds__(kTcThreads)
   const std::int64_t C3 = 3 * C;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * kTcQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(kTcQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * kHs;  // (T, 3C), at this head's q columns
-  const float scale = 1.0f / sqrtf(static_cast<float>(kHs));
+  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
   // ldmatrix row addresses of this lane. For an x4 load of a 16x16 block the lanes
   // 0-7, 8-15, 16-23, 24-31 address matrices 0-3; `lo8` is the row within a matrix.
@@ -620,7 +715,7 @@ __global__ void __launch_bounds__(kTcThreads)
   const int m1 = (lane / 8) % 2;  // 1 for the lanes addressing matrices 1 and 3
   const int m2 = lane / 16;       // 1 for the lanes addressing matrices 2 and 3
 
-  load_tile_b16<kHs, kTcQueryTile, kStride>(qs, head + i0 * C3, C3, ni);
+  load_tile_b16<kHs, kTcQueryTile, kStride>(qs, head + i0 * C3, C3, ni, hs);
   __syncthreads();  // qs is written
   // A fragments of this warp's 16 q rows, k step kk: matrices (rows 0-7, columns 0-7),
   // (rows 8-15, 0-7), (rows 0-7, 8-15), (rows 8-15, 8-15) are a[0..3].
@@ -637,8 +732,8 @@ __global__ void __launch_bounds__(kTcThreads)
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kTcKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kTcKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile_b16<kHs, kTcKeyTile, kStride>(ks, head + j0 * C3 + C, C3, nj);
-    load_tile_b16<kHs, kTcKeyTile, kStride>(vs, head + j0 * C3 + 2 * C, C3, nj);
+    load_tile_b16<kHs, kTcKeyTile, kStride>(ks, head + j0 * C3 + C, C3, nj, hs);
+    load_tile_b16<kHs, kTcKeyTile, kStride>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
     __syncthreads();  // ks and vs are written
     // Warp-uniform skips (mma.sync and ldmatrix need the whole warp).
     if (r0 >= T_len) continue;                               // this warp's rows are all padding
@@ -727,17 +822,19 @@ __global__ void __launch_bounds__(kTcThreads)
     }
   }
 
-  // Normalise and write rows g and g + 8 (columns 8n + 2t, 2t + 1 as one 4-byte store).
+  // Normalise and write rows g and g + 8 (columns 8n + 2t, 2t + 1 as one 4-byte store),
+  // the head's columns: whole n tiles of 8, as hs is a multiple of 8.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const std::int64_t i = r0 + g + 8 * half;
     if (i >= T_len) continue;
     const float inv = 1.0f / state[half].sum;
-    T* orow = out + (b * T_len + i) * C + h * kHs;  // (hs)
+    T* orow = out + (b * T_len + i) * C + h * hs;  // (hs)
 #pragma unroll
     for (int n = 0; n < Tl::kDimN; ++n)
-      *reinterpret_cast<std::uint32_t*>(orow + 8 * n + 2 * t) =
-          pack2<T>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+      if (8 * n < hs)
+        *reinterpret_cast<std::uint32_t*>(orow + 8 * n + 2 * t) =
+            pack2<T>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
     if (t == 0) lse[bh * T_len + i] = state[half].log_sum_exp();
   }
 }
@@ -751,88 +848,65 @@ void allow_shared_memory(Kernel* kernel, int bytes, const char* name) {
 }
 
 template <class T, int kHs, AttentionMask kMask>
-void launch_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                    std::int64_t C, std::int64_t NH) {
+void launch_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, Shape shape) {
   using Tl = Tiles<kHs>;
   auto* kernel = &forward_kernel<T, kHs, kMask>;
   allow_shared_memory(kernel, Tl::kForwardSmem * 4, "attention forward_kernel");
-  const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(ceil_div(T_len, Tl::kQueryTile)));
-  kernel<<<grid, kThreads, Tl::kForwardSmem * sizeof(float), stream>>>(out, lse, qkv, T_len, C, NH);
+  const dim3 grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, Tl::kQueryTile)));
+  launch_kernel(kernel, grid, kThreads, Tl::kForwardSmem * sizeof(float), stream, out, lse, qkv, shape);
   LLMPAR_CHECK_LAUNCH("attention forward_kernel");
 }
 
 template <class T, int kHs, AttentionMask kMask>
-void launch_forward_tc(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                       std::int64_t C, std::int64_t NH) {
+void launch_forward_tc(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, Shape shape) {
   using Tl = TcTiles<kHs>;
   auto* kernel = &forward_tc_kernel<T, kHs, kMask>;
   allow_shared_memory(kernel, Tl::kSmemBytes, "attention forward_tc_kernel");
-  const dim3 grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(ceil_div(T_len, kTcQueryTile)));
-  kernel<<<grid, kTcThreads, Tl::kSmemBytes, stream>>>(out, lse, qkv, T_len, C, NH);
+  const dim3 grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, kTcQueryTile)));
+  launch_kernel(kernel, grid, kTcThreads, Tl::kSmemBytes, stream, out, lse, qkv, shape);
   LLMPAR_CHECK_LAUNCH("attention forward_tc_kernel");
 }
 
 template <class T, int kHs, AttentionMask kMask>
 void launch_backward(cudaStream_t stream, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                     float* workspace, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+                     float* workspace, std::int64_t B, Shape shape) {
   using Tl = Tiles<kHs>;
   float* dsum = workspace;  // (B, NH, T)
-  const std::int64_t rows = B * NH * T_len;
-  dsum_kernel<T, kHs>
-      <<<static_cast<unsigned>(ceil_div(rows, kWarps)), kThreads, 0, stream>>>(dsum, dout, out, rows, T_len, C, NH);
+  const std::int64_t rows = B * shape.NH * shape.T_len;
+  launch_kernel(&dsum_kernel<T>, static_cast<unsigned>(ceil_div(rows, kWarps)), kThreads, 0, stream, dsum, dout, out,
+                rows, shape);
   LLMPAR_CHECK_LAUNCH("attention dsum_kernel");
 
   auto* dkv = &backward_dkv_kernel<T, kHs, kMask>;
   allow_shared_memory(dkv, Tl::kDkvSmem * 4, "attention backward_dkv_kernel");
-  const dim3 dkv_grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(ceil_div(T_len, Tl::kKeyTileBwd)));
-  dkv<<<dkv_grid, kThreads, Tl::kDkvSmem * sizeof(float), stream>>>(dqkv, dout, qkv, lse, dsum, T_len, C, NH);
+  const dim3 dkv_grid(static_cast<unsigned>(B * shape.NH),
+                      static_cast<unsigned>(ceil_div(shape.T_len, Tl::kKeyTileBwd)));
+  launch_kernel(dkv, dkv_grid, kThreads, Tl::kDkvSmem * sizeof(float), stream, dqkv, dout, qkv, lse, dsum, shape);
   LLMPAR_CHECK_LAUNCH("attention backward_dkv_kernel");
 
   auto* dq = &backward_dq_kernel<T, kHs, kMask>;
   allow_shared_memory(dq, Tl::kDqSmem * 4, "attention backward_dq_kernel");
-  const dim3 dq_grid(static_cast<unsigned>(B * NH), static_cast<unsigned>(ceil_div(T_len, Tl::kQueryTile)));
-  dq<<<dq_grid, kThreads, Tl::kDqSmem * sizeof(float), stream>>>(dqkv, dout, qkv, lse, dsum, T_len, C, NH);
+  const dim3 dq_grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, Tl::kQueryTile)));
+  launch_kernel(dq, dq_grid, kThreads, Tl::kDqSmem * sizeof(float), stream, dqkv, dout, qkv, lse, dsum, shape);
   LLMPAR_CHECK_LAUNCH("attention backward_dq_kernel");
 }
 
-// The mask is a run-time argument of the launchers and a template parameter of the kernels.
-template <class T, int kHs>
-void forward_for_mask(AttentionMask mask, cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B,
-                      std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  if (mask == AttentionMask::causal)
-    launch_forward<T, kHs, AttentionMask::causal>(stream, out, lse, qkv, B, T_len, C, NH);
-  else
-    launch_forward<T, kHs, AttentionMask::none>(stream, out, lse, qkv, B, T_len, C, NH);
+// f(kHs, kMask) as integral constants: the compiled head size of `Sizes` that serves hs,
+// and the mask.
+template <class Sizes, class F>
+void with_head_size_and_mask(Sizes sizes, std::int64_t hs, AttentionMask mask, F&& f) {
+  with_head_size(sizes, hs, [&](auto kHs) { with_mask(mask, [&](auto kMask) { f(kHs, kMask); }); });
 }
 
-template <class T, int kHs>
-void forward_tc_for_mask(AttentionMask mask, cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B,
-                         std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  if (mask == AttentionMask::causal)
-    launch_forward_tc<T, kHs, AttentionMask::causal>(stream, out, lse, qkv, B, T_len, C, NH);
-  else
-    launch_forward_tc<T, kHs, AttentionMask::none>(stream, out, lse, qkv, B, T_len, C, NH);
-}
-
-// Whether the tensor-core forward serves a call with 16-bit storage: hs 64 or 128, and
+// Whether the tensor-core forward serves a call with 16-bit storage: hs <= 256 (all), and
 // pointers aligned for its 16-byte loads of qkv rows and 4-byte stores of out pairs
 // (cudaMalloc gives 256 bytes; an offset view may not, and then the SIMT path runs).
 inline bool tensor_cores_serve(std::int64_t hs, const void* out, const void* qkv) {
-  return (hs == 64 || hs == 128) && reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0 &&
+  return hs <= kTcMaxHeadSize && reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0 &&
          reinterpret_cast<std::uintptr_t>(out) % 4 == 0;
 }
 
-template <class T, int kHs>
-void backward_for_mask(AttentionMask mask, cudaStream_t stream, T* dqkv, const T* dout, const T* qkv, const T* out,
-                       const float* lse, float* workspace, std::int64_t B, std::int64_t T_len, std::int64_t C,
-                       std::int64_t NH) {
-  if (mask == AttentionMask::causal)
-    launch_backward<T, kHs, AttentionMask::causal>(stream, dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-  else
-    launch_backward<T, kHs, AttentionMask::none>(stream, dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-}
-
-#endif  // __CUDACC__
+#endif  // LLMPAR_DEVICE_CODE
 
 // Checks the shape on the host and returns the head size hs = C / NH.
 inline std::int64_t check_shape(const char* who, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
@@ -841,13 +915,17 @@ inline std::int64_t check_shape(const char* who, std::int64_t B, std::int64_t T_
   LLMPAR_CHECK(C % NH == 0, who, ": the number of heads NH = ", NH, " does not divide the channels C = ", C,
                "; pick C a multiple of NH (head size C / NH)");
   const std::int64_t hs = C / NH;
-  LLMPAR_CHECK(hs == 32 || hs == 64 || hs == 128, who, ": head size hs = C / NH = ", C, " / ", NH, " = ", hs,
-               " is not supported by the CUDA kernels; supported head sizes are 32, 64 and 128");
+  LLMPAR_CHECK(hs % kHeadSizeStep == 0 && hs >= kMinHeadSize && hs <= kMaxHeadSize, who,
+               ": head size hs = C / NH = ", C, " / ", NH, " = ", hs,
+               " is not supported by the CUDA kernels; supported head sizes are the multiples of 8 from 16 to 256");
   LLMPAR_CHECK(B * NH <= 0x7FFFFFFF, who, ": B * NH = ", B * NH, " exceeds the grid limit 2^31 - 1");
-  // The smallest tile is 32 rows, a grid's y extent is at most 65535 and the D kernel
-  // runs 4 rows per CTA on a grid's x extent.
-  LLMPAR_CHECK(ceil_div(T_len, kWarp) <= 65535, who, ": T = ", T_len, " exceeds the longest supported sequence, ",
-               65535 * kWarp);
+  // A grid's y extent is at most 65535 (T over the smallest tile of the kernels serving
+  // hs; the tensor-core forward's 64 rows are never smaller) and the D kernel runs 4 rows
+  // per CTA on a grid's x extent.
+  const std::int64_t tile =
+      with_head_size(SimtHeadSizes{}, hs, [](auto kHs) { return Tiles<decltype(kHs)::value>::kSmallestTile; });
+  LLMPAR_CHECK(ceil_div(T_len, tile) <= 65535, who, ": T = ", T_len,
+               " exceeds the longest supported sequence at hs = ", hs, ", ", 65535 * tile);
   LLMPAR_CHECK(ceil_div(B * NH * T_len, kWarps) <= 0x7FFFFFFF, who, ": B * NH * T = ", B * NH * T_len,
                " exceeds the grid limit of the backward's D kernel, ", std::int64_t{kWarps} * 0x7FFFFFFF);
   return hs;
@@ -861,36 +939,29 @@ inline std::int64_t attention_backward_workspace(std::int64_t B, std::int64_t T_
   return B * NH * T_len;
 }
 
-#if defined(__CUDACC__)
+#if defined(LLMPAR_DEVICE_CODE)
 
 // out: (B, T, C); lse: (B, NH, T) float log-sum-exp of each row's scaled scores;
 // qkv: (B, T, 3C) with q = [0, C), k = [C, 2C), v = [2C, 3C), head h at columns
-// [h*hs, (h+1)*hs). Scores are scaled by 1/sqrt(hs), hs = C / NH in {32, 64, 128}.
+// [h*hs, (h+1)*hs). Scores are scaled by 1/sqrt(hs), hs = C / NH a multiple of 8 from 16 to 256.
 template <Storage T>
 void attention_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
                        std::int64_t C, std::int64_t NH, AttentionMask mask = AttentionMask::causal) {
-  const std::int64_t hs = detail::attn::check_shape("attention_forward", B, T_len, C, NH);
+  namespace attn = detail::attn;
+  const std::int64_t hs = attn::check_shape("attention_forward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
+  const attn::Shape shape{T_len, C, NH, static_cast<int>(hs)};
   if constexpr (!std::is_same_v<T, float>) {
-    if (detail::attn::tensor_cores_serve(hs, out, qkv)) {
-      if (hs == 64)
-        detail::attn::forward_tc_for_mask<T, 64>(mask, stream, out, lse, qkv, B, T_len, C, NH);
-      else
-        detail::attn::forward_tc_for_mask<T, 128>(mask, stream, out, lse, qkv, B, T_len, C, NH);
+    if (attn::tensor_cores_serve(hs, out, qkv)) {
+      attn::with_head_size_and_mask(attn::TcHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
+        attn::launch_forward_tc<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, B, shape);
+      });
       return;
     }
   }
-  switch (hs) {
-    case 32:
-      detail::attn::forward_for_mask<T, 32>(mask, stream, out, lse, qkv, B, T_len, C, NH);
-      break;
-    case 64:
-      detail::attn::forward_for_mask<T, 64>(mask, stream, out, lse, qkv, B, T_len, C, NH);
-      break;
-    default:  // 128: check_shape admits nothing else
-      detail::attn::forward_for_mask<T, 128>(mask, stream, out, lse, qkv, B, T_len, C, NH);
-      break;
-  }
+  attn::with_head_size_and_mask(attn::SimtHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
+    attn::launch_forward<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, B, shape);
+  });
 }
 
 // Overwrites dqkv: (B, T, 3C). dout, out: (B, T, C); qkv: (B, T, 3C); lse: (B, NH, T)
@@ -901,23 +972,18 @@ template <Storage T>
 void attention_backward(cudaStream_t stream, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
                         float* workspace, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH,
                         AttentionMask mask = AttentionMask::causal) {
-  const std::int64_t hs = detail::attn::check_shape("attention_backward", B, T_len, C, NH);
+  namespace attn = detail::attn;
+  const std::int64_t hs = attn::check_shape("attention_backward", B, T_len, C, NH);
   if (B == 0 || T_len == 0) return;
   LLMPAR_CHECK(workspace != nullptr, "attention_backward: workspace is null; pass a buffer of ",
                "attention_backward_workspace(B, T, C, NH) = ", B * NH * T_len, " floats");
-  switch (hs) {
-    case 32:
-      detail::attn::backward_for_mask<T, 32>(mask, stream, dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-      break;
-    case 64:
-      detail::attn::backward_for_mask<T, 64>(mask, stream, dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-      break;
-    default:  // 128
-      detail::attn::backward_for_mask<T, 128>(mask, stream, dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-      break;
-  }
+  const attn::Shape shape{T_len, C, NH, static_cast<int>(hs)};
+  attn::with_head_size_and_mask(attn::SimtHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
+    attn::launch_backward<T, decltype(kHs)::value, decltype(kMask)::value>(stream, dqkv, dout, qkv, out, lse, workspace,
+                                                                           B, shape);
+  });
 }
 
-#endif  // __CUDACC__
+#endif  // LLMPAR_DEVICE_CODE
 
 }  // namespace llmpar::kernels

@@ -14,6 +14,13 @@
 //     two-phase convention; backend::Cuda lends one growing scratch buffer to all);
 //   - every launch is followed by LLMPAR_CHECK_LAUNCH(), which turns a launch-configuration
 //     error into an llmpar::Error naming the kernel.
+//
+// Device code is compiled by nvcc or, in the host emulation of tests/cuda_emulation, by the
+// host compiler: that build defines LLMPAR_CUDA_EMULATION and finds its own <cuda_runtime.h>
+// (the runtime calls, the built-in variables, barriers and shuffles, one CUDA thread per
+// fiber). LLMPAR_DEVICE_CODE marks what either compiles; the few places where the
+// emulation must differ from nvcc (a launch, the dynamic shared memory, inline PTX) name
+// LLMPAR_CUDA_EMULATION themselves, and nvcc never sees the emulation's side of them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,7 +64,34 @@ inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p
 
 inline constexpr int kWarp = 32;
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(LLMPAR_CUDA_EMULATION)
+#define LLMPAR_DEVICE_CODE 1
+#endif
+
+#if defined(LLMPAR_DEVICE_CODE)
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), the arguments converted to the
+// kernel's parameter types; in the host emulation, the same launch run on the CPU.
+template <class... Params>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, cudaStream_t stream,
+                   std::type_identity_t<Params>... args) {
+#if defined(LLMPAR_CUDA_EMULATION)
+  ::llmpar::emulation::launch(kernel, grid, block, shared_bytes, stream, args...);
+#else
+  kernel<<<grid, block, shared_bytes, stream>>>(args...);
+#endif
+}
+
+// The CTA's dynamic shared memory (the launch's shared_bytes), 16-byte aligned.
+template <class T>
+__device__ __forceinline__ T* dynamic_shared_memory() {
+#if defined(LLMPAR_CUDA_EMULATION)
+  return reinterpret_cast<T*>(::llmpar::emulation::dynamic_shared_memory());
+#else
+  extern __shared__ float4 llmpar_dynamic_shared_memory[];
+  return reinterpret_cast<T*>(llmpar_dynamic_shared_memory);
+#endif
+}
+
 // Sum / max over the 32 lanes of a warp; every lane gets the result.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -147,6 +147,8 @@ const AttnShape kForwardShapes[] = {
     {1, 130, 128, 2},  // hs = 64, three tiles, ragged last tile
     {1, 70, 24, 1},    // hs = 24, generic head size over two tiles
     {1, 40, 256, 2},   // hs = 128
+    {1, 37, 160, 2},   // hs = 80, generic head size (the CUDA kernels' references reach 256)
+    {1, 66, 256, 1},   // hs = 256, generic head size over two tiles
 };
 
 }  // namespace
@@ -301,7 +303,8 @@ TEST_CASE("attention_backward matches central finite differences of sum(out * W)
 }
 
 TEST_CASE("attention_backward in float matches the double backward on the same inputs") {
-  const AttnShape shapes[] = {{2, 7, 16, 2}, {1, 130, 128, 2}, {2, 64, 64, 2}, {1, 70, 24, 1}};
+  const AttnShape shapes[] = {{2, 7, 16, 2},  {1, 130, 128, 2}, {2, 64, 64, 2},
+                              {1, 70, 24, 1}, {1, 65, 160, 2},  {1, 70, 256, 1}};
   for (const AttnShape& s : shapes) {
     CAPTURE(s.T);
     CAPTURE(s.C);
