@@ -59,11 +59,13 @@ Measured run_rank(comm::Comm& world, bool overlap, double bucket_mb) {
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(tokens, 256, "bench tokens");
   data::DataLoader loader(dataset,
                           {.batch_size = 4, .seq_len = 128, .rank = grid.dp().rank(), .world = grid.dp().size()});
-  train::Trainer<Model, Policy> trainer(
-      ctx, model, {.lr = 1e-4f}, {.peak_lr = 1e-4f, .warmup_steps = 0, .total_steps = kSteps + 1}, loader,
-      {.steps = kSteps + 1,
-       .data = {.bucket_bytes = static_cast<std::int64_t>(bucket_mb * (1 << 20)), .overlap = overlap}},
-      parallel::Groups::of(grid));
+  parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+  layout.fit_world(world.size());
+  layout.micro_batch = 4;
+  layout.data = {.bucket_bytes = static_cast<std::int64_t>(bucket_mb * (1 << 20)), .overlap = overlap};
+  train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-4f},
+                                        {.peak_lr = 1e-4f, .warmup_steps = 0, .total_steps = kSteps + 1}, loader,
+                                        {.steps = kSteps + 1, .layout = layout}, parallel::Groups::of(grid));
   trainer.step();  // warm-up: buffers, GEMM primitives, the stage-3 gather order
   std::vector<double> ms, comm;
   for (int s = 0; s < kSteps; ++s) {

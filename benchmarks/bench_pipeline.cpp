@@ -64,10 +64,16 @@ Measured run(int pp, int m, const std::string& schedule) {
                                             .partition = pipeline::even_partition(cfg.layers, pp, chunks)};
         Model model(cfg, 1337, {}, placement);
         data::DataLoader loader(dataset, {.batch_size = 2, .seq_len = 64});
-        train::Trainer<Model, Policy> trainer(
-            ctx, model, {.lr = 1e-4f}, {.peak_lr = 1e-4f, .warmup_steps = 0, .total_steps = kSteps + 1}, loader,
-            {.steps = kSteps + 1, .grad_accum = m, .schedule = schedule, .virtual_stages = chunks},
-            parallel::Groups::of(grid));
+        parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+        layout.pp = pp;
+        layout.fit_world(pp);
+        layout.schedule = schedule;
+        layout.virtual_stages = chunks;
+        layout.micro_batch = 2;
+        layout.grad_accum = m;
+        train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-4f},
+                                              {.peak_lr = 1e-4f, .warmup_steps = 0, .total_steps = kSteps + 1}, loader,
+                                              {.steps = kSteps + 1, .layout = layout}, parallel::Groups::of(grid));
         trainer.step();
         std::vector<double> bubble, ms;
         for (int s = 0; s < kSteps; ++s) {

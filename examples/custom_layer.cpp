@@ -4,9 +4,8 @@
 // code. Nothing in llmpar's model code knows about it, yet it trains under tensor
 // and sequence parallelism: the block is built from ColumnParallelLinear /
 // RowParallelLinear and the group's gather_rows / reduce_rows, so splitting it over
-// ranks is the building blocks' job, not the user's. The layout is a composed policy
-// (llmpar::Compose<parallel::Tensor<SequenceParallel::on|off>>): --sp picks one of two
-// instantiations of run().
+// ranks is the building blocks' job, not the user's. The layout (tp, sp, dp) is one
+// parallel::LayoutConfig, a value; the policy is the default Compose<> (fp32, CPU).
 //
 //   custom_layer                            # 300 steps on the fortunes corpus, one rank
 //   custom_layer --ranks 2 --tp 2           # the block's heads and MLP split over 2 ranks
@@ -46,9 +45,9 @@ struct Options {
   custom_layer::LlamaConfig model;
 };
 
-// One rank's run under the composed policy `Policy`.
-template <class Policy>
+// One rank's run.
 int run(const Options& o, comm::Comm& world) {
+  using Policy = train::PolicyOf<custom_layer::LlamaModel<float>>;
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
@@ -62,12 +61,15 @@ int run(const Options& o, comm::Comm& world) {
   const auto train_set = data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)");
   const auto val_set = data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)");
 
-  // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
-  // read different rows of the batch.
-  LLMPAR_CHECK(o.tp >= 1 && world.size() % o.tp == 0, "--tp ", o.tp, " does not divide the ", world.size(),
-               " ranks; use a tp that divides --ranks");
-  comm::Grid grid(world, {.tp = o.tp});
-  const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
+  // The layout, checked once, and the rank grid: tp adjacent ranks split each block, the
+  // rest replicate the model and read different rows of the batch.
+  parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+  layout.tp = o.tp;
+  layout.sp = o.sp;
+  layout.micro_batch = o.batch;
+  layout.fit_world(world.size()).validate();
+  comm::Grid grid(world, {.tp = layout.tp});
+  const nn::TensorParallelGroup tp(&grid.tp(), layout.sp);
   data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(o.seq)};
   lc.rank = grid.dp().rank();
   lc.world = grid.dp().size();
@@ -93,8 +95,8 @@ int run(const Options& o, comm::Comm& world) {
       .peak_lr = o.lr, .warmup_steps = std::min(o.warmup, o.steps), .total_steps = o.steps};
   // The grid's groups: the dp reduction, and the global norm over every rank (the
   // split parameters' squares summed over the tp ranks).
-  train::Trainer<custom_layer::LlamaModel<float>> trainer(ctx, model, opt, schedule, train_loader, {.steps = o.steps},
-                                                          parallel::Groups::of(grid));
+  train::Trainer<custom_layer::LlamaModel<float>> trainer(
+      ctx, model, opt, schedule, train_loader, {.steps = o.steps, .layout = layout}, parallel::Groups::of(grid));
   double first = 0.0, last = 0.0;
   trainer.fit([&](const train::StepStats& s) {
     if (s.step == 1) first = s.loss;
@@ -155,9 +157,7 @@ int main(int argc, char** argv) {
   try {
     int status = 0;
     launch->run([&](comm::Comm& world) {
-      using Split = Compose<parallel::Tensor<SequenceParallel::off>>;
-      using SplitSequence = Compose<parallel::Tensor<SequenceParallel::on>>;
-      const int rc = o.sp ? run<SplitSequence>(o, world) : run<Split>(o, world);
+      const int rc = run(o, world);
       if (world.rank() == 0) status = rc;
     });
     return status;

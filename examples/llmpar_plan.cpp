@@ -50,8 +50,6 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr double kMiB = 1024.0 * 1024.0;
 
-DType precision_of(const std::string& p) { return p == "bf16" ? DType::bf16 : p == "fp16" ? DType::f16 : DType::f32; }
-
 // The tensor-parallel splits the model's layers make at construction (heads, channels,
 // the padded vocabulary), checked here so that a layout is refused before it is listed.
 void check_splits(const models::GPT2Config& cfg, int tp) {
@@ -59,26 +57,12 @@ void check_splits(const models::GPT2Config& cfg, int tp) {
   LLMPAR_CHECK(cfg.padded_vocab % tp == 0, "--tp ", tp, " does not divide the padded vocabulary ", cfg.padded_vocab);
 }
 
-// The planner's layout of train_gpt options at `world` ranks (validated as train_gpt does).
-plan::Layout layout_of(const Options& o, int world) {
+// The planner's layout of train_gpt options at `world` ranks: train_gpt's own checks and
+// its layout (parallel::LayoutConfig), and the model's tensor-parallel splits.
+parallel::LayoutConfig planned_layout(const Options& o, int world) {
   train_gpt::validate(o, world);
-  const models::GPT2Config cfg = train_gpt::model_config(o);
-  check_splits(cfg, o.tp);
-  plan::Layout l;
-  l.tp = o.tp;
-  l.sp = o.sp;
-  l.pp = o.pp;
-  l.schedule = o.schedule;
-  l.virtual_stages = o.virtual_stages;
-  l.partition = train_gpt::partition_of(o, cfg);
-  l.dp = train_gpt::data_parallel_degree(o, world);
-  l.zero = o.zero;
-  l.micro_batch = o.batch;
-  l.grad_accum = train_gpt::accumulation_steps(o, world);
-  l.recompute = train_gpt::recompute_mode(o.recompute);
-  l.precision = precision_of(o.precision);
-  l.bucket_mb = o.bucket_mb;
-  return l;
+  check_splits(train_gpt::model_config(o), o.tp);
+  return train_gpt::layout_of(o, world);
 }
 
 // train_gpt's flags for the model and layout of `o` (those that differ from its defaults).
@@ -172,7 +156,7 @@ std::vector<Candidate> search(const Options& base, int world, const plan::Cluste
                 o.recompute = rc;
                 if (pp > 1) o.sample_tokens = 0;
                 try {
-                  const plan::Layout l = layout_of(o, world);
+                  const parallel::LayoutConfig l = planned_layout(o, world);
                   out.push_back({o, plan::estimate(cfg, seq, l, c)});
                 } catch (const std::exception&) {
                   ++*refused;
@@ -190,7 +174,7 @@ std::vector<Candidate> search(const Options& base, int world, const plan::Cluste
 void print_breakdown(const Options& o, int world, const plan::Cluster& c) {
   const models::GPT2Config cfg = train_gpt::model_config(o);
   const std::int64_t seq = train_gpt::sequence_length(o, models::GPT2Config::preset(o.model));
-  const plan::Layout l = layout_of(o, world);
+  const parallel::LayoutConfig l = planned_layout(o, world);
   const plan::Estimate e = plan::estimate(cfg, seq, l, c);
   const plan::Memory& m = e.memory;
   const plan::Time& t = e.time;
@@ -765,9 +749,9 @@ int validate(const std::string& exe, const plan::Cluster& c, const std::string& 
     for (const Measured& once : passes) m.step_ms = std::min(m.step_ms, once.step_ms);
     const models::GPT2Config cfg = train_gpt::model_config(o);
     const std::int64_t seq = train_gpt::sequence_length(o, models::GPT2Config::preset(o.model));
-    const plan::Estimate e = plan::estimate(cfg, seq, layout_of(o, ranks), c);
+    const plan::Estimate e = plan::estimate(cfg, seq, planned_layout(o, ranks), c);
     // train_gpt's metrics are rank 0's: the first pipeline stage's memory.
-    const plan::Memory pm = plan::rank_memory(cfg, seq, layout_of(o, ranks), 0, c);
+    const plan::Memory pm = plan::rank_memory(cfg, seq, planned_layout(o, ranks), 0, c);
     const double error = pm.measured_total() / m.total() - 1.0;
     worst = std::max(worst, std::abs(error));
     predicted_ms.push_back(e.time.step * 1e3);

@@ -150,37 +150,6 @@ inline std::optional<std::string> resume_path(const Options& o) {
   return o.save;
 }
 
-inline recompute::Mode recompute_mode(const std::string& name) {
-  if (name == "full") return recompute::Mode::full;
-  if (name == "selective") return recompute::Mode::selective;
-  LLMPAR_CHECK(name == "none", "--recompute ", name, " is not one of none, selective, full");
-  return recompute::Mode::none;
-}
-
-// How the layers split over the pipeline's virtual stages (--partition).
-inline pipeline::Partition partition_of(const Options& o, const models::GPT2Config& cfg) {
-  if (o.partition == "even") return pipeline::even_partition(cfg.layers, o.pp, o.virtual_stages);
-  if (o.partition == "parameters") {
-    const std::int64_t block = 12 * cfg.dim * cfg.dim + 13 * cfg.dim;
-    const std::int64_t table = cfg.padded_vocab * cfg.dim;
-    return pipeline::parameter_partition(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), block),
-                                         table + cfg.max_seq * cfg.dim, table + 2 * cfg.dim, o.pp, o.virtual_stages);
-  }
-  std::vector<std::int64_t> counts;
-  std::size_t at = 0;
-  while (at <= o.partition.size()) {
-    const std::size_t comma = std::min(o.partition.find(',', at), o.partition.size());
-    const std::string item = o.partition.substr(at, comma - at);
-    char* end = nullptr;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    LLMPAR_CHECK(!item.empty() && end != nullptr && *end == '\0', "--partition '", o.partition,
-                 "' is not even, parameters or a comma-separated list of layer counts (e.g. 3,3,2)");
-    counts.push_back(v);
-    at = comma + 1;
-  }
-  return pipeline::explicit_partition(counts, cfg.layers, o.pp, o.virtual_stages);
-}
-
 // Tokens to sample after training: --sample-tokens, or 320 (none under a pipeline, whose
 // stages each hold part of the model).
 inline std::int64_t sample_count(const Options& o) { return o.sample_tokens.value_or(o.pp > 1 ? 0 : 320); }
@@ -219,12 +188,34 @@ inline std::int64_t accumulation_steps(const Options& o, int world_size) {
   return *o.global_batch / (o.batch * data_parallel_degree(o, world_size));
 }
 
+// The run's layout from its flags, fitted to `world_size` ranks and checked
+// (parallel::LayoutConfig: the one set of layout rules, shared with the trainer and
+// llmpar-plan).
+inline parallel::LayoutConfig layout_of(const Options& o, int world_size) {
+  parallel::LayoutConfig l;
+  l.tp = o.tp;
+  l.sp = o.sp;
+  l.pp = o.pp;
+  l.schedule = o.schedule;
+  l.virtual_stages = o.virtual_stages;
+  l.partition = o.partition;
+  l.recompute = parallel::recompute_of_flag(o.recompute);
+  l.zero = o.zero;
+  l.precision = parallel::precision_of_flag(o.precision);
+  l.micro_batch = o.batch;
+  LLMPAR_CHECK(std::isfinite(o.bucket_mb) && o.bucket_mb > 0.0, "--bucket-mb ", o.bucket_mb,
+               "; the gradient bucket size must be a positive number of MiB");
+  l.data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap};
+  l.fit_world(world_size);
+  l.grad_accum = accumulation_steps(o, world_size);
+  l.validate();
+  return l;
+}
+
 // Every check that needs no data and no work, run by every rank before anything else
 // (the corpus, the model, the peak measurement, the first step): a mistake in any flag
 // stops the run at once with the flag, its value and what would work.
 inline void validate(const Options& o, int world_size) {
-  LLMPAR_CHECK(o.precision == "fp32" || o.precision == "bf16" || o.precision == "fp16", "--precision ", o.precision,
-               " is not one of fp32, bf16, fp16");
   LLMPAR_CHECK(o.steps > 0 || (o.steps == 0 && !o.export_to.empty()), "--steps ", o.steps,
                "; train for at least 1 step (--steps 0 only converts: --init-from X --export Y)");
   LLMPAR_CHECK(o.save_every >= 0, "--save-every ", o.save_every, "; use a number of steps, or 0 for the end only");
@@ -250,11 +241,6 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(o.batch > 0, "--batch ", o.batch, "; use at least 1 sequence per micro-batch");
   if (o.grad_accum)
     LLMPAR_CHECK(*o.grad_accum > 0, "--grad-accum ", *o.grad_accum, "; use at least 1 micro-batch per step");
-  LLMPAR_CHECK(o.zero >= 0 && o.zero <= 3, "--zero ", o.zero,
-               " is not a ZeRO stage; use 0 (replicated), 1 (optimizer state sharded), 2 (and gradients) or 3 (and "
-               "parameters)");
-  LLMPAR_CHECK(std::isfinite(o.bucket_mb) && o.bucket_mb > 0.0, "--bucket-mb ", o.bucket_mb,
-               "; the gradient bucket size must be a positive number of MiB");
   LLMPAR_CHECK(std::isfinite(o.lr) && o.lr > 0.0f, "--lr ", o.lr, "; the learning rate must be a positive number");
   if (o.warmup)
     LLMPAR_CHECK(*o.warmup >= 0 && *o.warmup <= o.steps, "--warmup ", *o.warmup, " must be in [0, --steps ", o.steps,
@@ -279,31 +265,12 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(!o.tf32 || o.backend == "cuda",
                "--tf32 is a CUDA option (fp32 GEMMs on TF32 tensor cores); use it "
                "with --backend cuda");
-  LLMPAR_CHECK(o.tp >= 1 && world_size % o.tp == 0, "--tp ", o.tp, " does not divide the ", world_size,
-               " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
-  LLMPAR_CHECK(!o.sp || o.tp > 1,
-               "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
-  LLMPAR_CHECK(o.pp >= 1 && world_size % (o.tp * o.pp) == 0, "--tp ", o.tp, " x --pp ", o.pp, " does not divide the ",
-               world_size, " ranks; use degrees whose product divides the number of ranks (--ranks, or mpirun -np)");
-  LLMPAR_CHECK(o.virtual_stages >= 1, "--virtual-stages ", o.virtual_stages, "; each pipeline rank holds at least 1");
-  LLMPAR_CHECK(o.schedule == "interleaved" || o.virtual_stages == 1, "--virtual-stages ", o.virtual_stages,
-               " needs --schedule interleaved (the other schedules run one chunk per rank)");
-  LLMPAR_CHECK(o.pp > 1 || o.schedule == "1f1b", "--schedule ", o.schedule,
-               " needs --pp 2 or more; one stage runs its micro-batches one after another (1f1b)");
-  LLMPAR_CHECK(o.schedule != "interleaved" || (o.virtual_stages >= 2 && o.pp >= 2),
-               "--schedule interleaved needs --pp 2 or more and --virtual-stages 2 or more; got --pp ", o.pp,
-               " --virtual-stages ", o.virtual_stages);
-  LLMPAR_CHECK(o.pp == 1 || o.zero <= 1, "--zero ", o.zero, " with --pp ", o.pp,
-               ": ZeRO stages 2 and 3 reduce and gather per micro-batch, which a pipeline interleaves; use --zero 1 "
-               "(or 0) with pipeline parallelism");
+  // The degrees first (--global-batch is split over dp).
+  const int dp = parallel::LayoutConfig{.tp = o.tp, .pp = o.pp}.fit_world(world_size).dp;
   LLMPAR_CHECK(o.pp == 1 || samples == 0, "--sample-tokens ", samples, " with --pp ", o.pp,
                ": sampling runs the whole model on one rank; pass --sample-tokens 0 with a pipeline");
-  LLMPAR_CHECK(!(o.schedule == "zb" && o.recompute == "full"),
-               "--schedule zb keeps each block's activations for its deferred weight pass, which --recompute full "
-               "drops; use --recompute selective or none with zb");
-  static_cast<void>(recompute_mode(o.recompute));
   if (o.global_batch) {
-    const std::int64_t dp = data_parallel_degree(o, world_size), per_step = o.batch * dp;
+    const std::int64_t per_step = o.batch * dp;
     LLMPAR_CHECK(*o.global_batch > 0 && *o.global_batch % per_step == 0, "--global-batch ", *o.global_batch,
                  " is not a multiple of --micro-batch ", o.batch, " x dp ", dp, " = ", per_step,
                  " (sequences one micro-batch step reads over the data-parallel ranks); use a multiple of ", per_step,
@@ -312,6 +279,7 @@ inline void validate(const Options& o, int world_size) {
                  " contradicts --global-batch ", *o.global_batch, " / (--micro-batch ", o.batch, " x dp ", dp,
                  ") = ", *o.global_batch / per_step, "; give one of the two");
   }
+  const parallel::LayoutConfig layout = layout_of(o, world_size);
   LLMPAR_CHECK(!o.mup_base_dim || o.mup, "--mup-base-dim ", o.mup_base_dim.value_or(0),
                " sets µP's base width; it needs --mup");
   const models::GPT2Config cfg = model_config(o);
@@ -325,7 +293,7 @@ inline void validate(const Options& o, int world_size) {
   LLMPAR_CHECK(!o.sp || seq % o.tp == 0, "--seq ", seq, " is not divisible by --tp ", o.tp,
                " (sequence parallelism splits the sequence); use a --seq that is a multiple of ", o.tp);
   if (!o.data.empty() && o.val_data.empty()) static_cast<void>(data::val_pattern_of(o.data));
-  static_cast<void>(partition_of(o, cfg));  // more stages than layers, a list that does not sum
+  static_cast<void>(models::partition_of(cfg, layout));  // more stages than layers, a list that does not sum
   if (o.schedule == "interleaved") {
     const std::int64_t m = accumulation_steps(o, world_size);
     LLMPAR_CHECK(m % o.pp == 0, "--schedule interleaved needs the micro-batches per step (", m,
@@ -362,17 +330,17 @@ struct Peak {
 // `rows` rows per micro-batch, split over `tp` ranks; every rank calls it together.
 using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp)>;
 
-// One rank's training run under the composed policy `Policy` (its backend, precision,
-// and sequence parallelism or not).
+// One rank's training run at `layout` (validated: layout_of) under the composed policy
+// `Policy` it names (parallel::dispatch: its backend, precision and ZeRO stage).
 template <class Policy>
-int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& ctx, const PeakFinder& find_peak) {
+int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& world,
+        typename Policy::backend::Context& ctx, const PeakFinder& find_peak) {
   using B = typename Policy::backend;
   using T = typename Policy::precision::Compute;
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
   };
-  validate(o, world.size());
   models::GPT2Config cfg = model_config(o);
   const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
   const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
@@ -397,23 +365,25 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   }
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
-  comm::Grid grid(world, {.tp = o.tp, .pp = o.pp});
-  const auto tp = nn::TensorParallelGroup::of<Policy>(&grid.tp());
+  comm::Grid grid(world, {.tp = layout.tp, .pp = layout.pp});
+  const nn::TensorParallelGroup tp(&grid.tp(), layout.sp);
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
   train_lc.seed = o.seed;
   train_lc.rank = grid.dp().rank();
   train_lc.world = grid.dp().size();
-  train_lc.global_batch = o.batch * grid.dp().size() * accumulation_steps(o, world.size());
+  train_lc.global_batch = layout.global_batch();
   data::LoaderConfig val_lc = lc;
   val_lc.rank = grid.dp().rank();
   val_lc.world = grid.dp().size();
   data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, val_lc);
 
-  const pipeline::Placement placement{
-      .stages = o.pp, .chunks = o.virtual_stages, .rank = grid.coords().pp, .partition = partition_of(o, cfg)};
+  const pipeline::Placement placement{.stages = layout.pp,
+                                      .chunks = layout.virtual_stages,
+                                      .rank = grid.coords().pp,
+                                      .partition = models::partition_of(cfg, layout)};
   models::GPT2<T, B> model(cfg, o.seed, tp, placement);
   // The checkpoint to resume from, or the weights to start from, read and checked now.
   std::optional<checkpoint::Checkpoint> resume;
@@ -437,8 +407,8 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
       static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
       static_cast<double>(model.num_parameters()) * 1e-6, mup);
-  const std::int64_t accum = accumulation_steps(o, world.size());
-  const std::int64_t global_batch = o.batch * grid.dp().size() * accum;
+  const std::int64_t accum = layout.grad_accum;
+  const std::int64_t global_batch = layout.global_batch();
   const std::string pp = o.pp > 1 ? " x pp " + std::to_string(o.pp) : std::string();
   say("train: %lld steps, %d rank%s (%s; tp %d%s%s x dp %d, ZeRO %d) x micro-batch %lld x %lld, grad accum %lld "
       "(global batch %lld), lr %.2e, warmup %lld, %s, %s backend\n",
@@ -504,14 +474,7 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
       .peak_lr = o.lr, .warmup_steps = warmup, .total_steps = steps, .final_ratio = o.final_lr};
   train::Trainer<models::GPT2<T, B>, Policy> trainer(
       ctx, model, opt, schedule, train_loader,
-      {.steps = steps,
-       .grad_accum = accum,
-       .peak_gflops = peak.gflops,
-       .data = {.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20)), .overlap = o.overlap},
-       .schedule = o.pp > 1 ? o.schedule : std::string(),
-       .virtual_stages = o.virtual_stages,
-       .recompute = recompute_mode(o.recompute),
-       .spike_guard = spike_config(o)},
+      {.steps = steps, .peak_gflops = peak.gflops, .layout = layout, .spike_guard = spike_config(o)},
       parallel::Groups::of(grid));
   if (resume) {
     trainer.restore(resume->source(), resume->state());
@@ -635,44 +598,38 @@ int run(const Options& o, comm::Comm& world, typename Policy::backend::Context& 
   return 0;
 }
 
-// The run on backend B, its layout composed from the flags: --precision and --sp choose
-// the precision policy and sequence parallelism at compile time (one instantiation
-// each); the degrees come from the grid.
-// The pipeline schedule and the recomputation are the flags' (schedule::Configured,
-// recompute::Configured: they change the order of calls, not a type).
-template <class B, class Precision, int kZero>
-int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
-  using Data = parallel::Data<zero::Stage<kZero>>;
-  // ZeRO 2 and 3 do not compose with a pipeline (validate() refused --pp > 1 for them).
-  using Pipe = std::conditional_t<(kZero >= 2), parallel::NoPipeline, parallel::Pipeline<schedule::Configured>>;
-  using Rc = recompute::Configured;
-  if (o.sp)
-    return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::on>, Pipe, Data, Rc>>(o, world, ctx, find_peak);
-  return run<Compose<B, Precision, parallel::Tensor<SequenceParallel::off>, Pipe, Data, Rc>>(o, world, ctx, find_peak);
-}
-
-// --zero chooses the data-parallel policy.
-template <class B, class Precision>
-int run_with(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
-  switch (o.zero) {
-    case 1:
-      return run_with<B, Precision, 1>(o, world, ctx, find_peak);
-    case 2:
-      return run_with<B, Precision, 2>(o, world, ctx, find_peak);
-    case 3:
-      return run_with<B, Precision, 3>(o, world, ctx, find_peak);
-    default:
-      return run_with<B, Precision, 0>(o, world, ctx, find_peak);
-  }
-}
-
+// The run on backend B: the flags checked, the layout built from them, and its policy
+// (precision and ZeRO stage) chosen by the library's one dispatch. The pipeline schedule,
+// recomputation and sequence parallelism are the layout's values (one instantiation for
+// all of them). Every policy's run() is instantiated in its own translation unit, one per
+// precision (train_gpt_fp32.cpp, ..., train_gpt_cuda_fp16.cu; the `extern template`
+// declarations below keep this one from instantiating them again).
 template <class B>
 int run_on(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
   validate(o, world.size());
-  if (o.precision == "bf16") return run_with<B, precision::BF16Mixed>(o, world, ctx, find_peak);
-  if (o.precision == "fp16")
-    return run_with<B, precision::FP16Mixed<precision::DynamicLossScale>>(o, world, ctx, find_peak);
-  return run_with<B, precision::FP32>(o, world, ctx, find_peak);
+  const parallel::LayoutConfig layout = layout_of(o, world.size());
+  return parallel::dispatch<B>(layout, [&]<class Policy>() { return run<Policy>(o, layout, world, ctx, find_peak); });
 }
+
+// run<Policy> for the four ZeRO stages of one precision on one backend: declared with
+// EXTERN = extern, defined (instantiated) with it empty.
+#define TRAIN_GPT_RUN_POLICIES(EXTERN, Backend, Precision)                                               \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 0>>(                            \
+      const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 1>>(                            \
+      const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 2>>(                            \
+      const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 3>>(                            \
+      const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&);
+
+#if defined(__CUDACC__)
+#define TRAIN_GPT_BACKEND backend::Cuda
+#else
+#define TRAIN_GPT_BACKEND backend::Cpu
+#endif
+TRAIN_GPT_RUN_POLICIES(extern, TRAIN_GPT_BACKEND, precision::FP32)
+TRAIN_GPT_RUN_POLICIES(extern, TRAIN_GPT_BACKEND, precision::BF16Mixed)
+TRAIN_GPT_RUN_POLICIES(extern, TRAIN_GPT_BACKEND, precision::FP16Mixed<precision::DynamicLossScale>)
 
 }  // namespace train_gpt

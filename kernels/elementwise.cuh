@@ -585,8 +585,12 @@ namespace detail::ew {
 inline constexpr int kSquaresThreads = 256;
 inline constexpr int kSquaresBlocks = 256;
 #if defined(__CUDACC__)
+// A template (of the element type, float here) like every kernel of a header: a
+// non-template __global__ function would be defined again in every translation unit
+// that includes this one, which the linker refuses.
+template <class T>
 __global__ void __launch_bounds__(kSquaresThreads)
-    squares_partials_kernel(const float* x, std::int64_t n, double* partials) {
+    squares_partials_kernel(const T* x, std::int64_t n, double* partials) {
   __shared__ double part[kSquaresThreads];
   double s = 0.0;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -611,8 +615,8 @@ inline constexpr std::int64_t kSumOfSquaresWorkspace = detail::ew::kSquaresBlock
 // Σ x² (x: n device floats), returned on the host; waits for the stream.
 inline double sum_of_squares(cudaStream_t stream, const float* x, std::int64_t n, double* workspace) {
   if (n <= 0) return 0.0;
-  detail::ew::squares_partials_kernel<<<detail::ew::kSquaresBlocks, detail::ew::kSquaresThreads, 0, stream>>>(
-      x, n, workspace);
+  detail::ew::squares_partials_kernel<float>
+      <<<detail::ew::kSquaresBlocks, detail::ew::kSquaresThreads, 0, stream>>>(x, n, workspace);
   LLMPAR_CHECK_LAUNCH("squares_partials_kernel");
   double host[detail::ew::kSquaresBlocks];
   LLMPAR_CHECK_CUDA(cudaMemcpyAsync(host, workspace, sizeof(host), cudaMemcpyDeviceToHost, stream));

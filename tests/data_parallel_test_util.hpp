@@ -24,6 +24,7 @@
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/partition.hpp"
 #include "llmpar/train/trainer.hpp"
 #include "tensor_parallel_test_util.hpp"
@@ -65,14 +66,15 @@ struct Run {
 struct Layout {
   int micro_batch = 2;  // sequences per rank and micro-batch
   int accum = 1;        // micro-batches per step (the pipeline's m)
+  bool sp = false;      // sequence parallelism over the tp group
   int steps = 5;
   std::int64_t bucket_bytes = 4096;  // small: several buckets even in the test model
   bool overlap = true;
   std::int64_t layers = 2;
   int pp = 1;                                  // pipeline stages (the policy must have a pipeline when > 1)
   int chunks = 1;                              // virtual stages per pipeline rank
-  std::string schedule{};                      // under schedule::Configured
-  std::optional<recompute::Mode> recompute{};  // under recompute::Configured
+  std::string schedule{};                      // under schedule::Configured (empty: the policy's, or 1f1b)
+  std::optional<recompute::Mode> recompute{};  // under recompute::Configured (empty: the policy's, or none)
   // Checkpoints: restore from `resume_from` before the first step (the run then trains
   // the steps after the checkpoint's), and save into `save_dir` after step `save_step`.
   std::string resume_from{};
@@ -95,10 +97,28 @@ void scatter(const nn::Parameter<T>& p, std::int64_t first, const V* local, std:
 // One rank's run: `world` is every rank, split as tp x dp by the Grid. Each rank writes
 // what it owns into `run` under the mutex (thread ranks share it; MPI ranks gather
 // afterwards).
+// The library's layout of a test layout on `world` ranks split as tp x pp x dp.
+template <class Policy>
+parallel::LayoutConfig layout_config(const Layout& layout, int world, int tp) {
+  parallel::LayoutConfig l = parallel::layout_of<Policy>();
+  l.tp = tp;
+  l.sp = layout.sp;
+  l.pp = layout.pp;
+  l.fit_world(world);
+  l.virtual_stages = layout.chunks;
+  if (!layout.schedule.empty()) l.schedule = layout.schedule;
+  if (layout.recompute) l.recompute = *layout.recompute;
+  l.micro_batch = layout.micro_batch;
+  l.grad_accum = layout.accum;
+  l.data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap};
+  return l;
+}
+
 template <class Policy>
 void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex& mutex) {
   using T = typename Policy::precision::Compute;
   using Model = models::GPT2<T, backend::Cpu>;
+  const parallel::LayoutConfig lc = layout_config<Policy>(layout, world.size(), tp);
   comm::Grid grid(world, {.tp = tp, .pp = layout.pp});
   backend::cpu::Context ctx;
   const pipeline::Placement placement{.stages = layout.pp,
@@ -107,7 +127,7 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
                                       .partition = pipeline::even_partition(layout.layers, layout.pp, layout.chunks)};
   const models::GPT2Config cfg = layout.model.value_or(config(layout.layers));
   REQUIRE(cfg.layers == layout.layers);
-  Model model(cfg, 99, nn::TensorParallelGroup::of<Policy>(&grid.tp()), placement);
+  Model model(cfg, 99, nn::TensorParallelGroup(&grid.tp(), lc.sp), placement);
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
   data::DataLoader loader(
@@ -116,13 +136,7 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
   train::Trainer<Model, Policy> trainer(ctx, model,
                                         {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f},
                                         {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = layout.steps}, loader,
-                                        {.steps = layout.steps,
-                                         .grad_accum = layout.accum,
-                                         .data = {.bucket_bytes = layout.bucket_bytes, .overlap = layout.overlap},
-                                         .schedule = layout.schedule,
-                                         .virtual_stages = layout.chunks,
-                                         .recompute = layout.recompute},
-                                        parallel::Groups::of(grid));
+                                        {.steps = layout.steps, .layout = lc}, parallel::Groups::of(grid));
   // Every parameter by its place in the serial model (a pipeline rank holds some).
   std::vector<std::string> names;
   {

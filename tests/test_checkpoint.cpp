@@ -39,12 +39,11 @@ namespace ck = checkpoint;
 
 namespace {
 
-template <int kStage = 0, class Precision = precision::FP32, SequenceParallel kSp = SequenceParallel::off>
-using Layout = Compose<backend::Cpu, Precision, parallel::Tensor<kSp>, parallel::Pipeline<schedule::Configured>,
+template <int kStage = 0, class Precision = precision::FP32>
+using Layout = Compose<backend::Cpu, Precision, parallel::Pipeline<schedule::Configured>,
                        parallel::Data<zero::Stage<kStage>>, recompute::Configured>;
-template <int kStage, class Precision = precision::FP32, SequenceParallel kSp = SequenceParallel::off>
-using NoPipe =
-    Compose<backend::Cpu, Precision, parallel::Tensor<kSp>, parallel::NoPipeline, parallel::Data<zero::Stage<kStage>>>;
+template <int kStage, class Precision = precision::FP32>
+using NoPipe = Compose<backend::Cpu, Precision, parallel::NoPipeline, parallel::Data<zero::Stage<kStage>>>;
 
 // A fresh directory under the test's working directory.
 std::string fresh(const std::string& name) {
@@ -222,7 +221,8 @@ TEST_CASE("checkpoint: saved at tp 2 x pp 2 x dp 2 (ZeRO 1), it resumes at other
   SUBCASE("tp 2 with sequence parallelism x dp 2, ZeRO 3") {
     dp_test::Layout l = resume;
     l.micro_batch = 4;
-    check_continues(dp_test::run_threads<NoPipe<3, precision::FP32, SequenceParallel::on>>(4, 2, l), whole, 3, 1e-5);
+    l.sp = true;
+    check_continues(dp_test::run_threads<NoPipe<3>>(4, 2, l), whole, 3, 1e-5);
   }
   SUBCASE("one rank, micro-batch 4 x 2") {
     dp_test::Layout l = resume;
@@ -519,9 +519,11 @@ Result train_run(const std::vector<std::uint16_t>& tokens, const SpikeGuardConfi
   const auto data = data::TokenDataset::from_tokens(tokens, 50, "spiky");
   data::DataLoader loader(data, {.batch_size = 4, .seq_len = 16});
   const std::int64_t steps = 30;
+  parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+  layout.micro_batch = 4;
   train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-2f, .eps = 1e-6f},
                                         {.peak_lr = 1e-2f, .warmup_steps = 2, .total_steps = steps}, loader,
-                                        {.steps = steps, .loss_scale = scale, .spike_guard = guard});
+                                        {.steps = steps, .loss_scale = scale, .layout = layout, .spike_guard = guard});
   Result r;
   while (trainer.steps_done() < steps) {
     r.steps.push_back(trainer.step());

@@ -19,11 +19,12 @@ using namespace llmpar;
 
 namespace {
 
-// The trainer sketch of DESIGN.md, with ZeRO stage 1 where it has 2: a pipeline with
-// stage 2 or 3 fails to compile with a sentence saying why
-// (tests/compile_fail/pipeline_with_zero2.cpp).
-using Sketch = Compose<backend::Cpu, precision::BF16Mixed, parallel::Tensor<SequenceParallel::on>,
-                       parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<1>>>;
+// The trainer sketch of DESIGN.md, with ZeRO stage 1 where it has 2 (a pipeline with
+// stage 2 or 3 fails to compile with a sentence saying why:
+// tests/compile_fail/pipeline_with_zero2.cpp), and without its tensor policy: sequence
+// parallelism is the layout's value (parallel::LayoutConfig::sp), not a type.
+using Sketch =
+    Compose<backend::Cpu, precision::BF16Mixed, parallel::Pipeline<schedule::OneFOneB>, parallel::Data<zero::Stage<1>>>;
 
 using Defaults = Compose<>;
 
@@ -32,12 +33,10 @@ using Defaults = Compose<>;
 TEST_CASE("Compose fills every kind that is not given with its default") {
   static_assert(std::is_same_v<Defaults::backend, backend::Cpu>);
   static_assert(std::is_same_v<Defaults::precision, precision::FP32>);
-  static_assert(std::is_same_v<Defaults::tensor, parallel::Tensor<SequenceParallel::off>>);
   static_assert(std::is_same_v<Defaults::pipeline, parallel::NoPipeline>);
   static_assert(std::is_same_v<Defaults::data, parallel::Data<zero::Stage<0>>>);
   static_assert(std::is_same_v<Defaults::recompute, recompute::None>);
   CHECK_FALSE(Defaults::kOnCuda);
-  CHECK_FALSE(Defaults::kSequenceParallel);
   CHECK(Defaults::kPipelineChunks == 1);
   CHECK(Defaults::kZeroStage == 0);
   CHECK_FALSE(Defaults::kHasLossScale);
@@ -47,22 +46,19 @@ TEST_CASE("Compose fills every kind that is not given with its default") {
   using OnlyBf16 = Compose<precision::BF16Mixed>;
   static_assert(std::is_same_v<OnlyBf16::precision, precision::BF16Mixed>);
   static_assert(std::is_same_v<OnlyBf16::backend, backend::Cpu>);
-  static_assert(std::is_same_v<OnlyBf16::tensor, Defaults::tensor>);
+  static_assert(std::is_same_v<OnlyBf16::pipeline, Defaults::pipeline>);
   CHECK(OnlyBf16::kMixedPrecision);
   // Spelling out the defaults is the same type as leaving them out.
-  static_assert(
-      std::is_same_v<Defaults, Compose<backend::Cpu, precision::FP32, parallel::Tensor<SequenceParallel::off>,
-                                       parallel::NoPipeline, parallel::Data<zero::Stage<0>>, recompute::None>>);
+  static_assert(std::is_same_v<Defaults, Compose<backend::Cpu, precision::FP32, parallel::NoPipeline,
+                                                 parallel::Data<zero::Stage<0>>, recompute::None>>);
 }
 
 TEST_CASE("Compose reads the built part of the DESIGN.md trainer sketch") {
   static_assert(std::is_same_v<Sketch::backend, backend::Cpu>);
   static_assert(std::is_same_v<Sketch::precision, precision::BF16Mixed>);
-  static_assert(std::is_same_v<Sketch::tensor, parallel::Tensor<SequenceParallel::on>>);
   static_assert(std::is_same_v<Sketch::pipeline, parallel::Pipeline<schedule::OneFOneB>>);
   static_assert(std::is_same_v<Sketch::data::Zero, zero::Stage<1>>);
   static_assert(std::is_same_v<Sketch::recompute, recompute::None>);
-  CHECK(Sketch::kSequenceParallel);
   CHECK(Sketch::kZeroStage == 1);
   CHECK(Sketch::kPipelineChunks == 1);
   CHECK(Sketch::kMixedPrecision);
@@ -72,8 +68,8 @@ TEST_CASE("Compose reads the built part of the DESIGN.md trainer sketch") {
 }
 
 TEST_CASE("Compose does not depend on the order of its tags") {
-  using Reordered = Compose<parallel::Data<zero::Stage<1>>, parallel::Tensor<SequenceParallel::on>,
-                            parallel::Pipeline<schedule::OneFOneB>, precision::BF16Mixed, backend::Cpu>;
+  using Reordered = Compose<parallel::Data<zero::Stage<1>>, parallel::Pipeline<schedule::OneFOneB>,
+                            precision::BF16Mixed, backend::Cpu>;
   static_assert(std::is_same_v<Sketch, Reordered>);
   static_assert(std::is_same_v<Compose<recompute::None, backend::Cuda>, Compose<backend::Cuda, recompute::None>>);
   static_assert(std::is_same_v<Compose<backend::Cuda, precision::BF16Mixed>::backend, backend::Cuda>);
@@ -82,24 +78,21 @@ TEST_CASE("Compose does not depend on the order of its tags") {
 }
 
 TEST_CASE("Compose's convenience values follow the tags") {
-  using Fp16 =
-      Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>, parallel::Tensor<SequenceParallel::on>>;
+  using Fp16 = Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>>;
   static_assert(Fp16::kOnCuda);
   static_assert(Fp16::kPipelineChunks == 1);
   static_assert(Fp16::kZeroStage == 0);
-  static_assert(Fp16::kSequenceParallel);
   static_assert(Fp16::kHasLossScale && Fp16::kMixedPrecision);
   static_assert(std::is_same_v<Fp16::precision::LossScale, precision::DynamicLossScale>);
   // fp16 runs on the CPU too (f16 storage, f32 arithmetic): how CI tests the loss scaler.
   using Fp16Cpu = Compose<precision::FP16Mixed<precision::DynamicLossScale>>;
   static_assert(!Fp16Cpu::kOnCuda && Fp16Cpu::kHasLossScale);
   CHECK(std::string_view(Fp16::kName) ==
-        "Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>, "
-        "parallel::Tensor<SequenceParallel::on>, parallel::NoPipeline, parallel::Data<zero::Stage<0>>, "
-        "recompute::None>");
+        "Compose<backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>, parallel::NoPipeline, "
+        "parallel::Data<zero::Stage<0>>, recompute::None>");
   CHECK(std::string_view(Defaults::kName) ==
-        "Compose<backend::Cpu, precision::FP32, parallel::Tensor<SequenceParallel::off>, "
-        "parallel::NoPipeline, parallel::Data<zero::Stage<0>>, recompute::None>");
+        "Compose<backend::Cpu, precision::FP32, parallel::NoPipeline, parallel::Data<zero::Stage<0>>, "
+        "recompute::None>");
 }
 
 TEST_CASE("the tags of algorithms not built yet are still checked and named") {
@@ -116,7 +109,6 @@ TEST_CASE("every tag is classified by its kind and named as written") {
   using parallel::PolicyTraits;
   static_assert(std::is_same_v<PolicyTraits<backend::Cuda>::Kind, policy_kind::Backend>);
   static_assert(std::is_same_v<PolicyTraits<precision::FP32>::Kind, policy_kind::Precision>);
-  static_assert(std::is_same_v<PolicyTraits<parallel::Tensor<SequenceParallel::on>>::Kind, policy_kind::Tensor>);
   static_assert(std::is_same_v<PolicyTraits<parallel::Pipeline<schedule::GPipe>>::Kind, policy_kind::Pipeline>);
   static_assert(std::is_same_v<PolicyTraits<parallel::Data<zero::Stage<3>>>::Kind, policy_kind::Data>);
   static_assert(std::is_same_v<PolicyTraits<recompute::Full>::Kind, policy_kind::Recompute>);
@@ -124,8 +116,6 @@ TEST_CASE("every tag is classified by its kind and named as written") {
   static_assert(!parallel::PolicyTag<schedule::OneFOneB>);  // a schedule goes inside parallel::Pipeline<...>
   static_assert(!parallel::PolicyTag<zero::Stage<1>>);      // a ZeRO stage goes inside parallel::Data<...>
   CHECK(std::string_view(PolicyTraits<backend::Cpu>::kName) == "backend::Cpu");
-  CHECK(std::string_view(PolicyTraits<parallel::Tensor<SequenceParallel::on>>::kName) ==
-        "parallel::Tensor<SequenceParallel::on>");
   CHECK(std::string_view(parallel::Pipeline<schedule::Interleaved1F1B<12>>::kName) ==
         "parallel::Pipeline<schedule::Interleaved1F1B<12>>");
   CHECK(std::string_view(parallel::Data<zero::Stage<2>>::kName) == "parallel::Data<zero::Stage<2>>");

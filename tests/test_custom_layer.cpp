@@ -254,7 +254,7 @@ TEST_CASE(
   // share the scratch with the recomputed attention.
   comm::run_threads(2, [&](comm::ThreadComm& thread_world) {
     comm::Comm world(std::move(thread_world));
-    check_selective_like_kept(nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+    check_selective_like_kept(nn::TensorParallelGroup(&world, SequenceParallel::on));
   });
 }
 
@@ -294,18 +294,17 @@ TEST_CASE("the LLaMA model's gradients of every parameter match central finite d
   CHECK(result.checked > 150);
 }
 
-// The layout comes from a composed policy, as in a user's trainer: Compose<...> names
-// the algorithm (sequence parallelism or not), the communicator the degree.
-template <class Policy>
-void check_llama_split_like_serial(const Run& serial, std::mutex& mutex) {
+// Sequence parallelism is the layout's (a value, as in a user's trainer); the
+// communicator gives the degree.
+void check_llama_split_like_serial(const Run& serial, std::mutex& mutex, SequenceParallel sp) {
   for (int tp : {1, 2, 4}) {
     Run parallel;
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
-      LlamaModel<float> model(small_config(), 99, nn::TensorParallelGroup::of<Policy>(&world));
+      LlamaModel<float> model(small_config(), 99, nn::TensorParallelGroup(&world, sp));
       train_five_steps(model, parallel, mutex, world.rank() == 0);
     });
-    INFO(std::string(Policy::kName) << ", tp = " << tp);
+    INFO((sp == SequenceParallel::on ? "sequence parallel" : "no sequence parallelism") << ", tp = " << tp);
     REQUIRE(parallel.losses.size() == serial.losses.size());
     double worst_loss = 0.0;
     for (std::size_t s = 0; s < serial.losses.size(); ++s) {
@@ -324,7 +323,7 @@ void check_llama_split_like_serial(const Run& serial, std::mutex& mutex) {
       // The first step's gradient too: Adam's update hides a wrong scale of it.
       CHECK(relative_difference(parallel.grads[k], serial.grads[k]) <= 1e-5);
     }
-    MESSAGE("tp ", tp, std::string(Policy::kSequenceParallel ? " with" : " without"),
+    MESSAGE("tp ", tp, std::string(sp == SequenceParallel::on ? " with" : " without"),
             " sequence parallelism: largest relative difference from the serial run: losses ", worst_loss,
             ", parameters ", worst);
   }
@@ -340,8 +339,8 @@ TEST_CASE(
     train_five_steps(model, serial, mutex, true);
   }
   CHECK(serial.losses.back() < serial.losses.front());
-  check_llama_split_like_serial<Compose<parallel::Tensor<SequenceParallel::off>>>(serial, mutex);
-  check_llama_split_like_serial<Compose<parallel::Tensor<SequenceParallel::on>>>(serial, mutex);
+  check_llama_split_like_serial(serial, mutex, SequenceParallel::off);
+  check_llama_split_like_serial(serial, mutex, SequenceParallel::on);
 }
 
 TEST_CASE("a hidden size that the tensor-parallel degree does not divide is named") {

@@ -19,8 +19,8 @@ using namespace llmpar;
 
 namespace {
 
-template <int kStage, class Precision = precision::FP32, SequenceParallel kSp = SequenceParallel::off>
-using PolicyOf = Compose<backend::Cpu, Precision, parallel::Tensor<kSp>, parallel::Data<zero::Stage<kStage>>>;
+template <int kStage, class Precision = precision::FP32>
+using PolicyOf = Compose<backend::Cpu, Precision, parallel::Data<zero::Stage<kStage>>>;
 
 // The run on `ranks` thread ranks split as tp x dp.
 template <class Policy>
@@ -35,14 +35,16 @@ dp_test::Run serial(int dp, dp_test::Layout layout) {
   return run_on<PolicyOf<0, Precision>>(1, 1, layout);
 }
 
-template <int kStage, class Precision = precision::FP32, SequenceParallel kSp = SequenceParallel::off>
+template <int kStage, class Precision = precision::FP32>
 void check_against_serial(int dp, int tp, const dp_test::Layout& layout, double tolerance) {
-  const dp_test::Run reference = serial<Precision>(dp, layout);
-  const dp_test::Run run = run_on<PolicyOf<kStage, Precision, kSp>>(dp * tp, tp, layout);
+  dp_test::Layout serial_layout = layout;
+  serial_layout.sp = false;
+  const dp_test::Run reference = serial<Precision>(dp, serial_layout);
+  const dp_test::Run run = run_on<PolicyOf<kStage, Precision>>(dp * tp, tp, layout);
   const dp_test::Difference d = dp_test::compare(run, reference);
-  INFO("stage " << kStage << ", dp " << dp << ", tp " << tp << std::string(kSp == SequenceParallel::on ? " sp" : "")
-                << ", accumulation " << layout.accum << ": losses " << d.loss << ", norms " << d.norm << ", gradients "
-                << d.grad << " (" << d.worst_grad << "), parameters " << d.param << " (" << d.worst_param << ")");
+  INFO("stage " << kStage << ", dp " << dp << ", tp " << tp << std::string(layout.sp ? " sp" : "") << ", accumulation "
+                << layout.accum << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " ("
+                << d.worst_grad << "), parameters " << d.param << " (" << d.worst_param << ")");
   CHECK(d.loss <= tolerance);
   CHECK(d.norm <= tolerance);
   CHECK(d.grad <= tolerance);
@@ -53,8 +55,8 @@ template <int kStage>
 void check_stage_fp32() {
   for (int dp : {2, 3, 4})
     for (int accum : {1, 2}) check_against_serial<kStage>(dp, 1, {.accum = accum}, 1e-5);
-  check_against_serial<kStage, precision::FP32, SequenceParallel::off>(4, 2, {.accum = 2}, 1e-5);
-  check_against_serial<kStage, precision::FP32, SequenceParallel::on>(4, 2, {.accum = 1}, 1e-5);
+  check_against_serial<kStage>(4, 2, {.accum = 2}, 1e-5);
+  check_against_serial<kStage>(4, 2, {.accum = 1, .sp = true}, 1e-5);
 }
 
 }  // namespace
@@ -85,7 +87,7 @@ TEST_CASE("bf16 under every ZeRO stage tracks the serial bf16 run") {
   check_against_serial<0, precision::BF16Mixed>(2, 1, {.accum = 2}, kTolerance);
   check_against_serial<1, precision::BF16Mixed>(2, 1, {}, kTolerance);
   check_against_serial<2, precision::BF16Mixed>(4, 1, {}, kTolerance);
-  check_against_serial<3, precision::BF16Mixed, SequenceParallel::on>(2, 2, {}, kTolerance);
+  check_against_serial<3, precision::BF16Mixed>(2, 2, {.sp = true}, kTolerance);
 }
 
 namespace {
@@ -139,9 +141,12 @@ TEST_CASE("buckets are issued while backward is still running (overlap), in back
     static const std::vector<std::uint16_t> stream = dp_test::tokens();
     const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
     data::DataLoader loader(dataset, {.batch_size = 2, .seq_len = 16, .rank = world.rank(), .world = 2});
+    parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+    layout.fit_world(2);
+    layout.micro_batch = 2;
+    layout.data = {.bucket_bytes = 4096, .trace = true};
     train::Trainer<Model, Policy> trainer(ctx, model, {}, {.peak_lr = 1e-3f, .total_steps = 2}, loader,
-                                          {.steps = 2, .data = {.bucket_bytes = 4096, .trace = true}},
-                                          parallel::Groups::of(grid));
+                                          {.steps = 2, .layout = layout}, parallel::Groups::of(grid));
     trainer.step();
     const auto trace = trainer.sync().trace();
     REQUIRE(trainer.sync().num_buckets() >= 3);
@@ -172,7 +177,7 @@ TEST_CASE("µP under ZeRO 1 and 2 over dp 2, and tp 2 x dp 2, equals the serial 
   mup.mup_base_dim = 16;
   check_against_serial<1>(2, 1, {.model = mup}, 1e-5);
   check_against_serial<2>(2, 1, {.accum = 2, .model = mup}, 1e-5);
-  check_against_serial<1, precision::FP32, SequenceParallel::on>(4, 2, {.model = mup}, 1e-5);
+  check_against_serial<1>(4, 2, {.sp = true, .model = mup}, 1e-5);
 }
 
 TEST_CASE("a bucket size of zero or less is named") {

@@ -43,7 +43,7 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
     models::GPT2<float> model(config(), 99);
     tp_test::train_five_steps(model, serial, mutex, true);
   }
-  for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on})
+  for (const auto sp : {SequenceParallel::off, SequenceParallel::on})
     for (int tp : {1, 2, 4}) {
       Run parallel;
       comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
@@ -51,7 +51,7 @@ TEST_CASE("GPT-2 split over 1, 2 and 4 tensor-parallel ranks, sequence parallel 
         models::GPT2<float> model(config(), 99, nn::TensorParallelGroup(&world, sp));
         tp_test::train_five_steps(model, parallel, mutex, world.rank() == 0);
       });
-      const bool sequence_parallel = sp == parallel::SequenceParallel::on;
+      const bool sequence_parallel = sp == SequenceParallel::on;
       INFO("tp = " << tp << std::string(sequence_parallel ? ", sequence parallel" : ""));
       REQUIRE(parallel.losses.size() == serial.losses.size());
       for (std::size_t s = 0; s < serial.losses.size(); ++s) {
@@ -93,14 +93,14 @@ TEST_CASE(
     tp_test::train_five_steps(plain, standard, mutex, true);
   }
   CHECK(std::abs(serial.losses.back() - standard.losses.back()) > 1e-3);  // µP changes the run
-  for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on}) {
+  for (const auto sp : {SequenceParallel::off, SequenceParallel::on}) {
     Run split;
     comm::run_threads(2, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
       models::GPT2<float> model(cfg, 99, nn::TensorParallelGroup(&world, sp));
       tp_test::train_five_steps(model, split, mutex, world.rank() == 0);
     });
-    INFO("tp 2" << std::string(sp == parallel::SequenceParallel::on ? ", sequence parallel" : ""));
+    INFO("tp 2" << std::string(sp == SequenceParallel::on ? ", sequence parallel" : ""));
     REQUIRE(split.losses.size() == serial.losses.size());
     for (std::size_t s = 0; s < serial.losses.size(); ++s)
       CHECK(std::abs(split.losses[s] - serial.losses[s]) <= 1e-5 * std::abs(serial.losses[s]));
@@ -147,7 +147,7 @@ TEST_CASE("a rank whose vocabulary slice is all padding trains as the serial mod
   }
   comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
     comm::Comm world(std::move(thread_world));
-    models::GPT2<float> model(cfg, 7, nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+    models::GPT2<float> model(cfg, 7, nn::TensorParallelGroup(&world, SequenceParallel::on));
     tp_test::train_five_steps(model, split, mutex, world.rank() == 0);
   });
   for (std::size_t s = 0; s < serial.losses.size(); ++s)
@@ -165,7 +165,7 @@ TEST_CASE("tensor parallelism divides the split activations of every block by tp
   // blocks, at the price of two gather/partial buffers of (B·S, C).
   const std::int64_t B = 4, S = 16;
   const models::GPT2Config cfg = config();
-  auto measure = [&](int tp, parallel::SequenceParallel sp) {
+  auto measure = [&](int tp, SequenceParallel sp) {
     std::size_t mine = 0;
     comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
       comm::Comm world(std::move(thread_world));
@@ -177,14 +177,13 @@ TEST_CASE("tensor parallelism divides the split activations of every block by tp
       model.backward(ctx);
       if (world.rank() == 0) mine = model.activation_bytes();
     });
-    MESSAGE("tp ", tp, std::string(sp == parallel::SequenceParallel::on ? " with" : " without"),
-            " sequence parallelism: ", mine,
+    MESSAGE("tp ", tp, std::string(sp == SequenceParallel::on ? " with" : " without"), " sequence parallelism: ", mine,
             " bytes of activations and activation gradients per rank (B=4, T=16, C=32, L=2)");
     return mine;
   };
   const std::size_t row = static_cast<std::size_t>(B * S) * sizeof(float);  // one float per row
   const std::size_t L = static_cast<std::size_t>(cfg.layers), C = static_cast<std::size_t>(cfg.dim);
-  const std::size_t serial = measure(1, parallel::SequenceParallel::off);
+  const std::size_t serial = measure(1, SequenceParallel::off);
   // Each block splits 3C (qkv) + C (attention out) + 8C (MLP) + NH (lse) floats per row.
   const std::size_t tp_split = L * row * (12 * C + static_cast<std::size_t>(cfg.heads));
   // The vocabulary-parallel head splits the logits (Vp per row), and the loss keeps its
@@ -196,8 +195,8 @@ TEST_CASE("tensor parallelism divides the split activations of every block by tp
   // the final norm's output is kept as a local copy (+C/tp) besides the gathered one.
   for (int tp : {2, 4}) {
     const std::size_t t = static_cast<std::size_t>(tp);
-    const std::size_t without = measure(tp, parallel::SequenceParallel::off);
-    const std::size_t with = measure(tp, parallel::SequenceParallel::on);
+    const std::size_t without = measure(tp, SequenceParallel::off);
+    const std::size_t with = measure(tp, SequenceParallel::on);
     CHECK(serial - without == tp_split * (t - 1) / t + logits * (t - 1) / t - stats * (1 + t));
     const std::size_t sp_split = row * (C * (3 * L + (L + 1) + 2) + 4 * L + 2) * (t - 1) / t;
     const std::size_t sp_added = row * C * 2 /* gathered, partial */ + row * C / t /* lnf_local */;
@@ -210,7 +209,7 @@ TEST_CASE("a sequence that sequence parallelism cannot split is named") {
   comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
     comm::Comm world(std::move(thread_world));
     backend::cpu::Context ctx;
-    models::GPT2<float> model(config(), 1, nn::TensorParallelGroup(&world, parallel::SequenceParallel::on));
+    models::GPT2<float> model(config(), 1, nn::TensorParallelGroup(&world, SequenceParallel::on));
     std::vector<std::int32_t> tokens(2 * 10, 1);
     CHECK_THROWS_WITH_AS(model.forward(ctx, tokens.data(), tokens.data(), 2, 10),
                          doctest::Contains("sequence length 10 is not divisible by the tensor-parallel degree 4"),

@@ -154,8 +154,7 @@ void check_tiny(const ck::Snapshot& snap, const HfFile& f) {
 
 // A tiny GPT-2 of the tests, its loaders and trainer, on one rank or a tp group.
 using Serial = train::PolicyOf<models::GPT2<float>>;
-using TensorParallel = Compose<backend::Cpu, precision::FP32, parallel::Tensor<SequenceParallel::off>,
-                               parallel::NoPipeline, parallel::Data<zero::Stage<0>>>;
+using TensorParallel = Compose<backend::Cpu, precision::FP32, parallel::NoPipeline, parallel::Data<zero::Stage<0>>>;
 const models::GPT2Config kModel = dp_test::config(2);
 
 const data::TokenDataset& dataset() {
@@ -173,7 +172,15 @@ struct Run {
       : model(kModel, seed, tp),
         train(dataset(), {.batch_size = 4, .seq_len = 16}),
         trainer(ctx, model, {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f},
-                {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = 3}, train, {.steps = 3}, groups) {}
+                {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = 3}, train, {.steps = 3, .layout = layout(tp)},
+                groups) {}
+  // Micro-batches of 4 on one rank, or split over the tp group.
+  static parallel::LayoutConfig layout(const nn::TensorParallelGroup& tp) {
+    parallel::LayoutConfig l = parallel::layout_of<Policy>();
+    l.tp = tp.size();
+    l.micro_batch = 4;
+    return l;
+  }
   // The mean loss over the same 3 validation batches every time.
   double validation_loss() {
     data::DataLoader val(dataset(), {.batch_size = 2, .seq_len = 16, .shuffle = true, .seed = 17});
@@ -301,7 +308,7 @@ TEST_CASE("hf gpt2: a trained model exported and imported is the same model; at 
     comm::run_threads(2, [&](comm::ThreadComm& t) {
       comm::Comm world(std::move(t));
       comm::Grid grid(world, {.tp = 2});
-      Run<TensorParallel> split(7, nn::TensorParallelGroup::of<TensorParallel>(&grid.tp()), parallel::Groups::of(grid));
+      Run<TensorParallel> split(7, nn::TensorParallelGroup(&grid.tp()), parallel::Groups::of(grid));
       split.trainer.load_weights(ck::Source::of(imported));
       losses[static_cast<std::size_t>(world.rank())] = split.validation_loss();
     });

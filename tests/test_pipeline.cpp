@@ -24,9 +24,15 @@ using namespace llmpar;
 
 namespace {
 
-template <int kStage = 0, SequenceParallel kSp = SequenceParallel::off>
-using PipelinePolicy = Compose<backend::Cpu, parallel::Tensor<kSp>, parallel::Pipeline<schedule::Configured>,
+template <int kStage = 0>
+using PipelinePolicy = Compose<backend::Cpu, parallel::Pipeline<schedule::Configured>,
                                parallel::Data<zero::Stage<kStage>>, recompute::Configured>;
+
+// The layout with sequence parallelism over its tp group.
+dp_test::Layout with_sp(dp_test::Layout layout) {
+  layout.sp = true;
+  return layout;
+}
 
 template <class Policy>
 dp_test::Run run_on(int ranks, int tp, const dp_test::Layout& layout) {
@@ -93,13 +99,13 @@ TEST_CASE("every schedule on 2 and 4 stages computes the serial run's gradients,
 TEST_CASE("3D: tp 2 x pp 2 x dp 2 with ZeRO 1 and sequence parallelism computes the serial run") {
   const dp_test::Layout layout{.micro_batch = 1, .accum = 4, .layers = 4, .pp = 2, .schedule = "1f1b"};
   const dp_test::Run reference = serial(layout, 2);
-  const dp_test::Run run = run_on<PipelinePolicy<1, SequenceParallel::on>>(8, 2, layout);
+  const dp_test::Run run = run_on<PipelinePolicy<1>>(8, 2, with_sp(layout));
   check_close(run, reference, "tp 2 x pp 2 x dp 2, ZeRO 1, sp");
   check_tied(run);
   dp_test::Layout interleaved = layout;
   interleaved.schedule = "interleaved";
   interleaved.chunks = 2;
-  check_close(run_on<PipelinePolicy<1, SequenceParallel::on>>(8, 2, interleaved), reference,
+  check_close(run_on<PipelinePolicy<1>>(8, 2, with_sp(interleaved)), reference,
               "tp 2 x pp 2 (2 chunks) x dp 2, ZeRO 1, sp");
 }
 
@@ -118,9 +124,9 @@ TEST_CASE("recomputation (selective, full) is bitwise the run without it, alone 
   }
   // Under tensor and sequence parallelism too (the recomputed forward communicates).
   dp_test::Layout layout{.micro_batch = 2, .accum = 2, .layers = 2, .pp = 1, .schedule = "1f1b"};
-  const dp_test::Run none = run_on<PipelinePolicy<0, SequenceParallel::on>>(2, 2, layout);
+  const dp_test::Run none = run_on<PipelinePolicy<0>>(2, 2, with_sp(layout));
   layout.recompute = recompute::Mode::full;
-  const dp_test::Run full = run_on<PipelinePolicy<0, SequenceParallel::on>>(2, 2, layout);
+  const dp_test::Run full = run_on<PipelinePolicy<0>>(2, 2, with_sp(layout));
   CHECK(same_bits(full.grads, none.grads));
   CHECK(same_bits(full.params, none.params));
   // ZB-H1 with selective recomputation keeps the attention output for its weight pass.
@@ -195,7 +201,7 @@ TEST_CASE("bad pipeline layouts are named before the first step") {
   // overlaps the last one's backward): no other schedule.
   dp_test::Layout one_stage{.micro_batch = 1, .accum = 2, .steps = 1, .layers = 2, .pp = 1, .schedule = "gpipe"};
   CHECK_THROWS_WITH_AS(run_on<PipelinePolicy<>>(1, 1, one_stage),
-                       doctest::Contains("schedule 'gpipe' needs a pipeline of 2 stages or more"), Error);
+                       doctest::Contains("--schedule gpipe needs --pp 2 or more"), Error);
   // A whole-model call on a pipeline rank.
   comm::run_threads(2, [&](comm::ThreadComm& thread_world) {
     comm::Comm world(std::move(thread_world));

@@ -15,7 +15,7 @@
 
 using namespace llmpar;
 using plan::Cluster;
-using plan::Layout;
+using Layout = parallel::LayoutConfig;
 
 namespace {
 
@@ -34,12 +34,6 @@ bool fails_with(F&& f, const std::string& part) {
 
 // A one-block model small enough to count by hand: C = 8, 2 heads, vocabulary 16.
 models::GPT2Config tiny() { return {.layers = 1, .heads = 2, .dim = 8, .max_seq = 4, .vocab = 16, .padded_vocab = 16}; }
-
-Layout whole(const models::GPT2Config& cfg) {
-  Layout l;
-  l.partition = pipeline::even_partition(cfg.layers, 1);
-  return l;
-}
 
 Cluster test_cluster() {
   Cluster c;
@@ -87,7 +81,7 @@ TEST_CASE("buckets are GradSync's: units in reverse, 64-byte rounding, dp-divisi
   const std::vector<std::vector<double>> units{{100, 30}, {200}, {50}};
   Layout l;
   l.dp = 2;
-  l.bucket_mb = 1e-6;  // every unit closes its bucket
+  l.data.bucket_bytes = 1;  // every unit closes its bucket
   // fp32: 16-element rounding, buckets rounded to 32. Unit 2: 64 -> 64. Unit 1: 208 ->
   // 224. Unit 0: 112 + 32 = 144 -> 160.
   plan::Buckets b = plan::bucket_layout(units, l);
@@ -96,7 +90,7 @@ TEST_CASE("buckets are GradSync's: units in reverse, 64-byte rounding, dp-divisi
   CHECK(b.largest == 224);
   CHECK(b.parameters == 380);
   CHECK(b.count == 3);
-  l.bucket_mb = 4.0;  // one bucket, closed at unit 0: 64 + 208 + 144 = 416
+  l.data.bucket_bytes = 4 << 20;  // one bucket, closed at unit 0: 64 + 208 + 144 = 416
   b = plan::bucket_layout(units, l);
   CHECK(b.size == 416);
   CHECK(b.shard == 208);
@@ -108,7 +102,7 @@ TEST_CASE("buckets are GradSync's: units in reverse, 64-byte rounding, dp-divisi
 
 TEST_CASE("a stage's parameters are the model's, split as the layers split") {
   const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-124m");
-  Layout l = whole(cfg);
+  Layout l;
   double n = 0;
   for (const auto& u : plan::unit_parameters(cfg, l, 0))
     for (double x : u) n += x;
@@ -124,7 +118,6 @@ TEST_CASE("a stage's parameters are the model's, split as the layers split") {
   // pp 2: the last stage holds the head's copy of the token table and the final norm.
   l.tp = 1;
   l.pp = 2;
-  l.partition = pipeline::even_partition(cfg.layers, 2);
   const auto last = plan::unit_parameters(cfg, l, 1);
   REQUIRE(last.size() == 6 + 2);
   CHECK(last.back() == std::vector<double>{50304 * C});
@@ -133,7 +126,7 @@ TEST_CASE("a stage's parameters are the model's, split as the layers split") {
 
 TEST_CASE("one rank's memory of a model counted by hand") {
   const models::GPT2Config cfg = tiny();
-  Layout l = whole(cfg);
+  Layout l;
   l.micro_batch = 1;
   const Cluster c = test_cluster();
   const plan::Memory m = plan::rank_memory(cfg, 4, l, 0, c);
@@ -188,7 +181,7 @@ TEST_CASE("micro-batches in flight come from the schedule itself") {
 TEST_CASE("step time: the bubble, recomputation, ZeRO's traffic and MFU") {
   const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-124m");
   const Cluster c = test_cluster();
-  Layout l = whole(cfg);
+  Layout l;
   l.micro_batch = 4;
   l.grad_accum = 4;
   const plan::Time base = plan::step_time(cfg, 1024, l, c);
@@ -205,12 +198,10 @@ TEST_CASE("step time: the bubble, recomputation, ZeRO's traffic and MFU") {
   l.recompute = recompute::Mode::none;
   // A 1F1B pipeline of p stages idles (p − 1) micro-batch slots of the slowest stage.
   l.pp = 4;
-  l.partition = pipeline::even_partition(cfg.layers, 4);
   const plan::Time piped = plan::step_time(cfg, 1024, l, c);
   CHECK(piped.bubble == doctest::Approx(piped.compute * 3.0 / 4.0).epsilon(1e-9));
   // Data parallelism: ZeRO 2 reduce-scatters every micro-batch, ZeRO 0 all-reduces once.
   l.pp = 1;
-  l.partition = pipeline::even_partition(cfg.layers, 1);
   l.dp = 8;
   const double z0 = plan::step_time(cfg, 1024, l, c).data_comm;
   l.zero = 2;
@@ -230,13 +221,12 @@ TEST_CASE("a shared node: ranks split its cores, lose the measured fractions, an
   c.nodes = 1;
   c.devices_per_node = 2;  // two cores
   c.shared_node = true;
-  Layout l = whole(cfg);
+  Layout l;
   l.micro_batch = 4;
   l.grad_accum = 4;
   // Two pipeline ranks: each has half the cores for half the blocks, the shared-ranks
   // fraction on top.
   l.pp = 2;
-  l.partition = pipeline::even_partition(cfg.layers, 2);
   const plan::Time two = plan::step_time(cfg, 64, l, c);
   c.shared_ranks = 0.8;
   const plan::Time slower = plan::step_time(cfg, 64, l, c);
@@ -258,7 +248,6 @@ TEST_CASE("a shared node: ranks split its cores, lose the measured fractions, an
   l.pp = 4;
   l.grad_accum = 1;
   l.micro_batch = 8;
-  l.partition = pipeline::even_partition(cfg.layers, 4);
   const plan::Time deep = plan::step_time(cfg, 64, l, c);
   const pipeline::Report r = plan::schedule_report(l, {.forward = 1.0, .backward = 2.0});
   const double path = r.makespan / (l.grad_accum * 3.0);  // the makespan over one stage's work: 4
@@ -270,7 +259,7 @@ TEST_CASE("a shared node: ranks split its cores, lose the measured fractions, an
 TEST_CASE("a layout that needs more than the device holds does not fit, and says why") {
   const models::GPT2Config cfg = models::GPT2Config::preset("gpt2-1.5b");
   Cluster c = Cluster::preset("h100x8x1");
-  Layout l = whole(cfg);
+  Layout l;
   l.micro_batch = 64;
   l.precision = DType::bf16;
   const plan::Estimate e = plan::estimate(cfg, 1024, l, c);

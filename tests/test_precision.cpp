@@ -192,13 +192,18 @@ TEST_CASE(
     comm::Comm world(std::move(thread_world));
     comm::Grid grid(world, {.tp = 2});
     backend::cpu::Context ctx;
-    Model model(tiny(), 11, nn::TensorParallelGroup::of<Policy>(&grid.tp()));
+    Model model(tiny(), 11, nn::TensorParallelGroup(&grid.tp()));
     const data::TokenDataset dataset = data::TokenDataset::from_tokens(data_tokens, 64, "tokens");
     data::DataLoader loader(dataset,
                             {.batch_size = 2, .seq_len = 16, .rank = grid.dp().rank(), .world = grid.dp().size()});
+    parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+    layout.tp = 2;
+    layout.fit_world(4);
+    layout.micro_batch = 2;
     train::Trainer<Model, Policy> trainer(
         ctx, model, {.lr = 1e-3f}, {.peak_lr = 1e-3f, .warmup_steps = 0, .total_steps = kSteps}, loader,
-        {.steps = kSteps, .loss_scale = {.initial_scale = 1024.0f, .hysteresis = 1}}, parallel::Groups::of(grid));
+        {.steps = kSteps, .loss_scale = {.initial_scale = 1024.0f, .hysteresis = 1}, .layout = layout},
+        parallel::Groups::of(grid));
     RankLog& log = logs[static_cast<std::size_t>(world.rank())];
     auto snapshot = [&] {
       auto& store = model.parameter_store();
@@ -266,9 +271,12 @@ TEST_CASE("fp32 and bf16 skip a step whose gradient is NaN, with the same verdic
     Model model(tiny(), 3);
     const data::TokenDataset dataset = data::TokenDataset::from_tokens(data_tokens, 64, "tokens");
     data::DataLoader loader(dataset, {.batch_size = 2, .seq_len = 16, .rank = world.rank(), .world = 2});
+    parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+    layout.fit_world(2);
+    layout.micro_batch = 2;
     train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-3f},
-                                          {.peak_lr = 1e-3f, .warmup_steps = 0, .total_steps = 3}, loader, {.steps = 3},
-                                          {.dp = &world, .world = &world});
+                                          {.peak_lr = 1e-3f, .warmup_steps = 0, .total_steps = 3}, loader,
+                                          {.steps = 3, .layout = layout}, {.dp = &world, .world = &world});
     trainer.set_gradient_hook([&](Model& m) {
       if (trainer.steps_done() == 1 && world.rank() == 0) m.parameter_store().grads()[5] = std::nanf("");
     });
@@ -314,9 +322,9 @@ TEST_CASE("bf16 tensor and sequence parallelism over 2 and 4 ranks train as the 
     tp_test::train_five_steps(model, serial, mutex, true);
   }
   for (const int tp : {2, 4}) {
-    for (const auto sp : {parallel::SequenceParallel::off, parallel::SequenceParallel::on}) {
+    for (const auto sp : {SequenceParallel::off, SequenceParallel::on}) {
       CAPTURE(tp);
-      CAPTURE(sp == parallel::SequenceParallel::on);
+      CAPTURE(sp == SequenceParallel::on);
       tp_test::Run split;
       comm::run_threads(tp, [&](comm::ThreadComm& thread_world) {
         comm::Comm world(std::move(thread_world));
@@ -339,9 +347,9 @@ TEST_CASE("bf16 tensor and sequence parallelism over 2 and 4 ranks train as the 
       // After 5 Adam steps of lr 1e-2 a weight moves by up to 5e-2; the first step's
       // gradient difference shifts Adam's normalised update by at most that much of it.
       CHECK(worst_param <= grads_tolerance);
-      MESSAGE("bf16 tp ", tp, std::string(sp == parallel::SequenceParallel::on ? " sp" : ""),
-              ": first-step gradients within ", worst_grad, " (norm-wise), losses within ", worst_loss,
-              " (relative), weights after 5 steps within ", worst_param, " of the serial bf16 run");
+      MESSAGE("bf16 tp ", tp, std::string(sp == SequenceParallel::on ? " sp" : ""), ": first-step gradients within ",
+              worst_grad, " (norm-wise), losses within ", worst_loss, " (relative), weights after 5 steps within ",
+              worst_param, " of the serial bf16 run");
     }
   }
 }

@@ -42,6 +42,7 @@
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/executor.hpp"
 #include "llmpar/pipeline/partition.hpp"
 #include "llmpar/pipeline/schedule.hpp"

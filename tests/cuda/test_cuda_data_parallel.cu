@@ -54,11 +54,14 @@ Result train_stage(backend::cuda::Context& ctx, int snapshot_after = 0) {
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(tokens, 96, "tokens");
   data::DataLoader loader(dataset, {.batch_size = 4, .seq_len = 32});
   using Trainer = train::Trainer<Model, Policy>;
+  parallel::LayoutConfig layout = parallel::layout_of<Policy>();
+  layout.micro_batch = 4;
+  layout.grad_accum = 2;
+  layout.data = {.bucket_bytes = 16 << 10};
   auto make_trainer = [&](Model& m) {
-    return std::make_unique<Trainer>(
-        ctx, m, optim::AdamWConfig{.lr = 1e-2f, .eps = 1e-2f, .grad_clip = 0.5f},
-        optim::CosineSchedule{.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = 4}, loader,
-        train::TrainerConfig{.steps = 4, .grad_accum = 2, .data = {.bucket_bytes = 16 << 10}});
+    return std::make_unique<Trainer>(ctx, m, optim::AdamWConfig{.lr = 1e-2f, .eps = 1e-2f, .grad_clip = 0.5f},
+                                     optim::CosineSchedule{.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = 4},
+                                     loader, train::TrainerConfig{.steps = 4, .layout = layout});
   };
   auto trainer = make_trainer(*model);
   Result r;

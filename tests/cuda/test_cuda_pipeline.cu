@@ -47,10 +47,10 @@ models::GPT2Config config() {
   return {.layers = 4, .heads = 4, .dim = 64, .max_seq = 32, .vocab = 96, .padded_vocab = 128, .init_std = 0.05f};
 }
 
-// 3 steps of 4 micro-batches; `groups` and `placement` give the pipeline (empty: the
-// whole model on this GPU).
+// 3 steps of 4 micro-batches of 2; `layout` says the schedule, chunks and
+// recomputation, `groups` and `placement` the pipeline (empty: the whole model on this GPU).
 template <class T>
-Result train(backend::cuda::Context& ctx, const train::TrainerConfig& extra, pipeline::Placement placement = {},
+Result train(backend::cuda::Context& ctx, const parallel::LayoutConfig& extra, pipeline::Placement placement = {},
              parallel::Groups groups = {}) {
   using Model = models::GPT2<T, backend::Cuda>;
   Model model(config(), 7, {}, placement);
@@ -59,9 +59,13 @@ Result train(backend::cuda::Context& ctx, const train::TrainerConfig& extra, pip
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint16_t>(stream.bits(i)[0] % 96);
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(tokens, 96, "tokens");
   data::DataLoader loader(dataset, {.batch_size = 2, .seq_len = 32});
-  train::TrainerConfig cfg = extra;
-  cfg.steps = 3;
-  cfg.grad_accum = 4;
+  train::TrainerConfig cfg{.steps = 3, .layout = extra};
+  cfg.layout.zero = PolicyFor<T>::kZeroStage;
+  cfg.layout.precision = dtype_of<T>();
+  cfg.layout.pp = placement.stages;
+  cfg.layout.virtual_stages = placement.chunks;
+  cfg.layout.micro_batch = 2;
+  cfg.layout.grad_accum = 4;
   train::Trainer<Model, PolicyFor<T>> trainer(ctx, model, {.lr = 1e-2f, .eps = 1e-2f, .grad_clip = 0.5f},
                                               {.peak_lr = 1e-2f, .warmup_steps = 0, .total_steps = 3}, loader, cfg,
                                               groups);
@@ -108,8 +112,7 @@ void check_pipeline(comm::Comm& world) {
                                         .chunks = chunks,
                                         .rank = grid.coords().pp,
                                         .partition = pipeline::even_partition(config().layers, 2, chunks)};
-    const Result r =
-        train<float>(ctx, {.schedule = schedule, .virtual_stages = chunks}, placement, parallel::Groups::of(grid));
+    const Result r = train<float>(ctx, {.schedule = schedule}, placement, parallel::Groups::of(grid));
     double loss = 0.0, param = 0.0;
     for (std::size_t s = 0; s < whole.losses.size(); ++s)
       loss = std::max(loss, std::abs(r.losses[s] - whole.losses[s]) / std::abs(whole.losses[s]));

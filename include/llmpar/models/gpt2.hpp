@@ -32,6 +32,8 @@
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
+#include "llmpar/parallel/layout.hpp"
+#include "llmpar/pipeline/partition.hpp"
 
 namespace llmpar::models {
 
@@ -116,10 +118,20 @@ struct GPT2Config {
   float hidden_lr_scale() const { return mup ? static_cast<float>(1.0 / width_mult()) : 1.0f; }
 
   // Parameters: token and position tables, 12·C² + 13·C per block, the final norm.
-  std::int64_t num_parameters() const {
-    return padded_vocab * dim + max_seq * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim;
-  }
+  // (The planner and the pipeline partition count them here, nowhere else.)
+  std::int64_t block_parameters() const { return 12 * dim * dim + 13 * dim; }
+  std::int64_t embedding_parameters() const { return padded_vocab * dim + max_seq * dim; }  // wte, wpe
+  std::int64_t head_parameters() const { return padded_vocab * dim + 2 * dim; }  // ln_f, and the head tied to wte
+  std::int64_t num_parameters() const { return embedding_parameters() + layers * block_parameters() + 2 * dim; }
 };
+
+// The layers of each of a layout's virtual pipeline stages for this model: its
+// --partition rule (even, balanced parameters, or explicit counts) over the model's
+// parameter counts, the embedding on the first stage and the head on the last.
+inline pipeline::Partition partition_of(const GPT2Config& cfg, const parallel::LayoutConfig& layout) {
+  return layout.partition_of(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), cfg.block_parameters()),
+                             cfg.embedding_parameters(), cfg.head_parameters());
+}
 
 // One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
 template <class T, class Backend = backend::Cpu>

@@ -45,30 +45,30 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/nn/linear.hpp"
 #include "llmpar/nn/parameter.hpp"
-#include "llmpar/parallel/compose.hpp"
 
 namespace llmpar::nn {
+
+// Whether Megatron-style sequence parallelism runs alongside tensor parallelism: the
+// LayerNorm and residual regions are split over the sequence instead of being
+// replicated. A value of the run's layout (parallel::LayoutConfig::sp), not a policy
+// type: it chooses which collectives a region runs.
+enum class SequenceParallel : std::uint8_t { off, on };
 
 // The group a tensor-parallel layer is split over.
 class TensorParallelGroup {
  public:
   TensorParallelGroup() = default;
-  explicit TensorParallelGroup(comm::Comm* group, parallel::SequenceParallel sp = parallel::SequenceParallel::off)
-      : group_(group && group->size() > 1 ? group : nullptr), sp_(group_ ? sp : parallel::SequenceParallel::off) {}
-
-  // The group of a composed policy (llmpar::Compose<...>): sequence parallelism is on
-  // when its parallel::Tensor<...> tag says so. The degree is the communicator's size.
-  template <class Policy>
-  static TensorParallelGroup of(comm::Comm* group) {
-    return TensorParallelGroup(
-        group, Policy::kSequenceParallel ? parallel::SequenceParallel::on : parallel::SequenceParallel::off);
-  }
+  explicit TensorParallelGroup(comm::Comm* group, SequenceParallel sp = SequenceParallel::off)
+      : group_(group && group->size() > 1 ? group : nullptr), sp_(group_ ? sp : SequenceParallel::off) {}
+  // Sequence parallelism as a layout says it (parallel::LayoutConfig::sp).
+  TensorParallelGroup(comm::Comm* group, bool sequence_parallel)
+      : TensorParallelGroup(group, sequence_parallel ? SequenceParallel::on : SequenceParallel::off) {}
 
   int size() const { return group_ ? group_->size() : 1; }
   comm::Comm* communicator() const { return group_; }  // null when not split
   int rank() const { return group_ ? group_->rank() : 0; }
   bool split() const { return group_ != nullptr; }
-  bool sequence_parallel() const { return sp_ == parallel::SequenceParallel::on; }
+  bool sequence_parallel() const { return sp_ == SequenceParallel::on; }
 
   // Rows this rank holds in a sequence-parallel region of `rows` rows, and the first.
   std::int64_t local_rows(std::int64_t rows) const { return sequence_parallel() ? rows / size() : rows; }
@@ -164,7 +164,7 @@ class TensorParallelGroup {
   }
 
   comm::Comm* group_ = nullptr;
-  parallel::SequenceParallel sp_ = parallel::SequenceParallel::off;
+  SequenceParallel sp_ = SequenceParallel::off;
 };
 
 // Marks every parameter of `layer` (a norm in a sequence-parallel region) as
@@ -278,3 +278,7 @@ class RowParallelLinear {
 };
 
 }  // namespace llmpar::nn
+
+namespace llmpar {
+using nn::SequenceParallel;
+}  // namespace llmpar

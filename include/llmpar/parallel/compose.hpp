@@ -5,22 +5,23 @@
 // A trainer names its policies once:
 //
 //   using Policy = Compose<backend::Cpu, precision::BF16Mixed,
-//                          parallel::Tensor<SequenceParallel::on>,
 //                          parallel::Pipeline<schedule::OneFOneB>,
-//                          parallel::Data<zero::Stage<2>>>;
-//   Policy::precision, Policy::kZeroStage, Policy::kSequenceParallel, ...
+//                          parallel::Data<zero::Stage<1>>>;
+//   Policy::precision, Policy::kZeroStage, Policy::kPipelineChunks, ...
 //
-// There are six kinds of policy, each with a default when none is given:
+// There are five kinds of policy, each with a default when none is given:
 //   backend    backend::Cpu | backend::Cuda                                 (Cpu)
 //   precision  precision::FP32 | BF16Mixed | FP16Mixed<DynamicLossScale>    (FP32)
-//   tensor     parallel::Tensor<SequenceParallel::off | on>                 (off)
 //   pipeline   parallel::NoPipeline |
 //              parallel::Pipeline<schedule::GPipe | OneFOneB | Interleaved1F1B<chunks> |
 //                                 ZeroBubbleH1 | Configured>                (NoPipeline)
 //   data       parallel::Data<zero::Stage<0..3>>                            (Stage<0>)
 //   recompute  recompute::None | Full | Selective | Configured              (None)
 // A degree of 1 at run time switches a dimension off (tp = 1 splits nothing, dp = 1
-// replicates nothing), so the defaults cost nothing.
+// replicates nothing), so the defaults cost nothing. The degrees, sequence parallelism
+// and the rest of what only reorders or sizes work are the run's layout, a value
+// (parallel::LayoutConfig, parallel/layout.hpp): a policy is a type only where it selects
+// code.
 //
 // A policy that is accepted does what it says (DESIGN.md); every tag here is built. A
 // tag whose algorithm is not built yet would be rejected with a sentence saying so,
@@ -37,7 +38,7 @@
 //    as written. The backend tags are only declared in backend/backend.hpp (a .cpp file
 //    gets Cpu, a .cu file Cuda), so PolicyTraits classifies them by specialisation and
 //    Compose never needs them complete.
-//  - Compose is an alias for one canonical type, PolicySet<Backend, Precision, Tensor,
+//  - Compose is an alias for one canonical type, PolicySet<Backend, Precision,
 //    Pipeline, Data, Recompute>: tags in any order, defaults filled, and two spellings of
 //    the same choice are the same type (Compose<A, B> is Compose<B, A>), so a trainer
 //    instantiated for either is instantiated once. Naming the alias checks the tags.
@@ -63,7 +64,6 @@
 namespace llmpar::policy_kind {
 struct Backend {};
 struct Precision {};
-struct Tensor {};
 struct Pipeline {};
 struct Data {};
 struct Recompute {};
@@ -106,22 +106,10 @@ constexpr TagName tag_name(Parts... parts) {
 template <class K>
 inline constexpr bool kIsPolicyKind =
     std::is_same_v<K, policy_kind::Backend> || std::is_same_v<K, policy_kind::Precision> ||
-    std::is_same_v<K, policy_kind::Tensor> || std::is_same_v<K, policy_kind::Pipeline> ||
-    std::is_same_v<K, policy_kind::Data> || std::is_same_v<K, policy_kind::Recompute>;
+    std::is_same_v<K, policy_kind::Pipeline> || std::is_same_v<K, policy_kind::Data> ||
+    std::is_same_v<K, policy_kind::Recompute>;
 
 }  // namespace llmpar::parallel::detail
-
-namespace llmpar::parallel {
-
-// Whether Megatron-style sequence parallelism runs alongside tensor parallelism: the
-// LayerNorm/dropout regions are split over the sequence instead of being replicated.
-enum class SequenceParallel : std::uint8_t { off, on };
-
-}  // namespace llmpar::parallel
-
-namespace llmpar {
-using parallel::SequenceParallel;
-}  // namespace llmpar
 
 // Pipeline schedules (the executor lives in pipeline/). kChunks is the number of model
 // chunks (virtual stages) each pipeline rank holds.
@@ -239,15 +227,6 @@ struct Configured {
 }  // namespace llmpar::recompute
 
 namespace llmpar::parallel {
-
-// Tensor parallelism (Megatron column/row splits) over the Grid's tp ranks.
-template <SequenceParallel SP>
-struct Tensor {
-  using Kind = policy_kind::Tensor;
-  static constexpr SequenceParallel kSequenceParallel = SP;
-  static constexpr const char* kName =
-      SP == SequenceParallel::on ? "parallel::Tensor<SequenceParallel::on>" : "parallel::Tensor<SequenceParallel::off>";
-};
 
 // Pipeline parallelism over the Grid's pp ranks, with the given schedule.
 template <class ScheduleTag>
@@ -384,8 +363,8 @@ struct NotAPolicyTag {
   static_assert(kDependentFalse<NotATag>,
                 "llmpar::Compose: a template argument is not a policy tag (the type is the argument of "
                 "detail::NotAPolicyTag<...> in the instantiation shown with this error); Compose takes backend::, "
-                "precision::, parallel::Tensor<...>, parallel::Pipeline<...>, parallel::Data<...> and recompute:: "
-                "tags");
+                "precision::, parallel::Pipeline<...>, parallel::Data<...> and recompute:: tags (tensor and "
+                "sequence parallelism are the run's layout: parallel::LayoutConfig::tp, ::sp)");
   static constexpr bool kOk = true;
 };
 
@@ -403,13 +382,6 @@ struct TwoPoliciesOfOneKind<policy_kind::Precision, First, Second> {
   static_assert(kDependentFalse<First>,
                 "llmpar::Compose: two precision policies were given; keep one (both tags are named in the "
                 "detail::TwoPoliciesOfOneKind<...> instantiation shown with this error)");
-  static constexpr bool kOk = true;
-};
-template <class First, class Second>
-struct TwoPoliciesOfOneKind<policy_kind::Tensor, First, Second> {
-  static_assert(kDependentFalse<First>,
-                "llmpar::Compose: two tensor-parallel policies (parallel::Tensor<...>) were given; keep one (both "
-                "tags are named in the detail::TwoPoliciesOfOneKind<...> instantiation shown with this error)");
   static constexpr bool kOk = true;
 };
 template <class First, class Second>
@@ -480,8 +452,7 @@ requires(DataPolicy::kZeroStage >= 2) struct CheckPipelineData<Pipeline<Schedule
 
 // One policy of each kind, in a fixed order: what Compose<Tags...> names. Build it with
 // Compose (any order, defaults filled); written by hand, its slots are checked too.
-template <class Backend, class Precision, class TensorPolicy, class PipelinePolicy, class DataPolicy,
-          class RecomputePolicy>
+template <class Backend, class Precision, class PipelinePolicy, class DataPolicy, class RecomputePolicy>
 struct PolicySet {
   static_assert(detail::is_of_kind<Backend, policy_kind::Backend>(),
                 "llmpar::parallel::PolicySet: the 1st argument must be a backend tag (backend::Cpu or "
@@ -489,30 +460,25 @@ struct PolicySet {
   static_assert(detail::is_of_kind<Precision, policy_kind::Precision>(),
                 "llmpar::parallel::PolicySet: the 2nd argument must be a precision tag (precision::FP32, "
                 "precision::BF16Mixed or precision::FP16Mixed<...>); llmpar::Compose<...> takes the tags in any order");
-  static_assert(detail::is_of_kind<TensorPolicy, policy_kind::Tensor>(),
-                "llmpar::parallel::PolicySet: the 3rd argument must be parallel::Tensor<...>; llmpar::Compose<...> "
-                "takes the tags in any order");
   static_assert(detail::is_of_kind<PipelinePolicy, policy_kind::Pipeline>(),
-                "llmpar::parallel::PolicySet: the 4th argument must be parallel::Pipeline<...>; llmpar::Compose<...> "
+                "llmpar::parallel::PolicySet: the 3rd argument must be parallel::Pipeline<...>; llmpar::Compose<...> "
                 "takes the tags in any order");
   static_assert(detail::is_of_kind<DataPolicy, policy_kind::Data>(),
-                "llmpar::parallel::PolicySet: the 5th argument must be parallel::Data<...>; llmpar::Compose<...> "
+                "llmpar::parallel::PolicySet: the 4th argument must be parallel::Data<...>; llmpar::Compose<...> "
                 "takes the tags in any order");
   static_assert(detail::is_of_kind<RecomputePolicy, policy_kind::Recompute>(),
-                "llmpar::parallel::PolicySet: the 6th argument must be a recompute tag (recompute::None, "
+                "llmpar::parallel::PolicySet: the 5th argument must be a recompute tag (recompute::None, "
                 "recompute::Full or recompute::Selective); llmpar::Compose<...> takes the tags in any order");
   static_assert(detail::CheckCombination<Backend, Precision>::kOk &&
                 detail::CheckPipelineData<PipelinePolicy, DataPolicy>::kOk);
 
   using backend = Backend;
   using precision = Precision;
-  using tensor = TensorPolicy;
   using pipeline = PipelinePolicy;
   using data = DataPolicy;
   using recompute = RecomputePolicy;
 
   static constexpr bool kOnCuda = std::is_same_v<Backend, ::llmpar::backend::Cuda>;
-  static constexpr bool kSequenceParallel = TensorPolicy::kSequenceParallel == SequenceParallel::on;
   static constexpr int kPipelineChunks = PipelinePolicy::kChunks;  // model chunks per pipeline rank (0: configured)
   static constexpr int kZeroStage = DataPolicy::kZeroStage;
   static constexpr bool kHasLossScale = Precision::kHasLossScale;
@@ -521,8 +487,8 @@ struct PolicySet {
   // "Compose<backend::Cpu, precision::FP32, ...>", every slot spelled out: for logs.
   static constexpr detail::TagName kNameStorage =
       detail::tag_name("Compose<", PolicyTraits<Backend>::kName, ", ", PolicyTraits<Precision>::kName, ", ",
-                       PolicyTraits<TensorPolicy>::kName, ", ", PolicyTraits<PipelinePolicy>::kName, ", ",
-                       PolicyTraits<DataPolicy>::kName, ", ", PolicyTraits<RecomputePolicy>::kName, ">");
+                       PolicyTraits<PipelinePolicy>::kName, ", ", PolicyTraits<DataPolicy>::kName, ", ",
+                       PolicyTraits<RecomputePolicy>::kName, ">");
   static constexpr const char* kName = kNameStorage.chars;
 };
 
@@ -532,13 +498,11 @@ template <class... Tags>
 struct Composed {
   static_assert((CheckIsPolicy<Tags>::kOk && ... && true) && CheckAtMostOne<policy_kind::Backend, Tags...>::kOk &&
                 CheckAtMostOne<policy_kind::Precision, Tags...>::kOk &&
-                CheckAtMostOne<policy_kind::Tensor, Tags...>::kOk &&
                 CheckAtMostOne<policy_kind::Pipeline, Tags...>::kOk &&
                 CheckAtMostOne<policy_kind::Data, Tags...>::kOk &&
                 CheckAtMostOne<policy_kind::Recompute, Tags...>::kOk);
   using type = PolicySet<typename FindOfKind<policy_kind::Backend, 0, backend::Cpu, Tags...>::type,
                          typename FindOfKind<policy_kind::Precision, 0, precision::FP32, Tags...>::type,
-                         typename FindOfKind<policy_kind::Tensor, 0, Tensor<SequenceParallel::off>, Tags...>::type,
                          typename FindOfKind<policy_kind::Pipeline, 0, NoPipeline, Tags...>::type,
                          typename FindOfKind<policy_kind::Data, 0, Data<zero::Stage<0>>, Tags...>::type,
                          typename FindOfKind<policy_kind::Recompute, 0, recompute::None, Tags...>::type>;

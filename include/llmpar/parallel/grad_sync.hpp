@@ -72,25 +72,9 @@
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/units.hpp"
 #include "llmpar/optim/adamw.hpp"
+#include "llmpar/parallel/layout.hpp"
 
 namespace llmpar::parallel {
-
-// Settings of data parallelism (the stage is the policy's: parallel::Data<zero::Stage<K>>).
-struct DataConfig {
-  // Of f32 gradients per bucket (stages 0-2; stage 3 reduces per unit). Buckets close at
-  // unit boundaries, so a unit larger than this is one bucket. 4 MiB: in
-  // bench_data_parallel (2 ranks, threads and MPI processes) 1 and 4 MiB exposed the
-  // least communication, 16 and 64 MiB more (the last bucket, reduced after backward,
-  // is larger); 1 MiB would multiply the collectives of a model with small units.
-  std::int64_t bucket_bytes = 4ll << 20;
-  bool overlap = true;  // reduce buckets during backward (false: after it)
-  bool trace = false;   // record the order of events (tests)
-
-  void validate() const {
-    LLMPAR_CHECK(bucket_bytes > 0, "the gradient bucket size is ", bucket_bytes,
-                 " bytes; use a positive size (--bucket-mb 16, for example)");
-  }
-};
 
 // The groups a training step communicates over: the replicas of this model (dp), every
 // rank (the global norm and the overflow verdict), the pipeline's two channels

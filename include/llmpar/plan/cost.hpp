@@ -44,31 +44,16 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/models/gpt2.hpp"
 #include "llmpar/parallel/compose.hpp"
+#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/partition.hpp"
 #include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/plan/cluster.hpp"
+#include "llmpar/train/metrics.hpp"
 
 namespace llmpar::plan {
 
-// A training layout: the degrees and policies of one run (train_gpt's flags).
-struct Layout {
-  int tp = 1;
-  bool sp = false;
-  int pp = 1;
-  std::string schedule = "1f1b";  // gpipe, 1f1b, interleaved, zb
-  int virtual_stages = 1;
-  pipeline::Partition partition;  // p·v stages' layers (pipeline::even_partition by default)
-  int dp = 1;
-  int zero = 0;
-  std::int64_t micro_batch = 1;  // sequences per micro-batch and rank
-  std::int64_t grad_accum = 1;   // micro-batches per step
-  recompute::Mode recompute = recompute::Mode::none;
-  DType precision = DType::f32;  // storage and compute type: f32, bf16, f16
-  double bucket_mb = 4.0;        // gradient bucket, MiB of f32 gradients
-
-  int world() const { return tp * pp * dp; }
-  std::int64_t global_batch() const { return micro_batch * grad_accum * dp; }
-};
+// A layout is parallel::LayoutConfig: the one the trainer and train_gpt check and run.
+using parallel::LayoutConfig;
 
 // One rank's bytes, as parallel::MemoryReport counts them, with the model's scratch
 // apart (MemoryReport counts it with the activations).
@@ -119,7 +104,7 @@ struct Shapes {
   int tp;
 };
 
-inline Shapes shapes_of(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l) {
+inline Shapes shapes_of(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l) {
   Shapes s{};
   s.B = static_cast<double>(l.micro_batch);
   s.S = static_cast<double>(seq);
@@ -166,8 +151,10 @@ inline double collective_seconds(comm::Collective c, double bytes, int ranks, co
 
 // The pipeline rank's units' parameter counts (forward order: embedding, blocks, final
 // norm, the head's copy of the token table), each a list of this tp rank's tensors.
-inline std::vector<std::vector<double>> unit_parameters(const models::GPT2Config& cfg, const Layout& l, int stage) {
-  const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+inline std::vector<std::vector<double>> unit_parameters(const models::GPT2Config& cfg, const LayoutConfig& l,
+                                                        int stage) {
+  const pipeline::Placement pl{
+      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
   const double C = static_cast<double>(cfg.dim), table = static_cast<double>(cfg.padded_vocab) / l.tp * C;
   std::vector<std::vector<double>> units;
   if (pl.first()) units.push_back({table, static_cast<double>(cfg.max_seq) * C});
@@ -189,9 +176,9 @@ struct Buckets {
   int count = 0;
 };
 
-inline Buckets bucket_layout(const std::vector<std::vector<double>>& units, const Layout& l) {
+inline Buckets bucket_layout(const std::vector<std::vector<double>>& units, const LayoutConfig& l) {
   const double align = static_cast<double>(kHostAlignment) / static_cast<double>(size_of(l.precision));
-  const double bucket_elements = std::max(1.0, std::floor(l.bucket_mb * (1 << 20) / 4.0));
+  const double bucket_elements = std::max(1.0, std::floor(static_cast<double>(l.data.bucket_bytes) / 4.0));
   Buckets b;
   double offset = 0.0, begin = 0.0;
   for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
@@ -214,16 +201,17 @@ inline Buckets bucket_layout(const std::vector<std::vector<double>>& units, cons
 
 // The schedule's most micro-batches in flight on each pipeline rank, and its makespan
 // for unit forward/backward costs.
-inline pipeline::Report schedule_report(const Layout& l, pipeline::Cost cost = {}) {
+inline pipeline::Report schedule_report(const LayoutConfig& l, pipeline::Cost cost = {}) {
   const pipeline::Shape shape{
       .stages = l.pp, .chunks = l.virtual_stages, .micro_batches = static_cast<int>(l.grad_accum)};
   return pipeline::simulate(pipeline::make_schedule(l.pp > 1 ? l.schedule : "1f1b", shape), shape, cost);
 }
 
 // One pipeline rank's bytes.
-inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, int stage, int in_flight,
-                           const Cluster& cluster) {
-  const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, int stage,
+                           int in_flight, const Cluster& cluster) {
+  const pipeline::Placement pl{
+      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
   const detail::Shapes s = detail::shapes_of(cfg, seq, l);
   const Buckets b = bucket_layout(unit_parameters(cfg, l, stage), l);
   const double t = s.t, g = 4.0;
@@ -271,14 +259,14 @@ inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, cons
 }
 
 // The memory of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
-inline Memory rank_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, int stage,
+inline Memory rank_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, int stage,
                           const Cluster& cluster) {
   const pipeline::Report r = schedule_report(l);
   return stage_memory(cfg, seq, l, stage, r.ranks[static_cast<std::size_t>(stage)].max_in_flight, cluster);
 }
 
 // The memory of the rank that holds the most, and which pipeline rank that is.
-inline std::pair<Memory, int> peak_memory(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l,
+inline std::pair<Memory, int> peak_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l,
                                           const Cluster& cluster) {
   const pipeline::Report r = schedule_report(l);
   Memory best;
@@ -301,12 +289,12 @@ inline const Link& group_link(const Cluster& c, int size, int stride) {
 
 // How many ranks share one device's compute, bandwidth and memory: on a shared node
 // (a CPU) every rank the node runs, 1 on GPUs.
-inline double ranks_sharing(const Layout& l, const Cluster& c) {
+inline double ranks_sharing(const LayoutConfig& l, const Cluster& c) {
   return c.shared_node ? std::ceil(static_cast<double>(l.world()) / c.nodes) : 1.0;
 }
 
 // The step time of a layout.
-inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, const Cluster& c) {
+inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
   const detail::Shapes s = detail::shapes_of(cfg, seq, l);
   const double share = ranks_sharing(l, c);
   Gemm gemm = c.gemm(l.precision);
@@ -351,7 +339,8 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   Time time;
   double worst_forward = 0.0, worst_backward = 0.0, worst_weight = 0.0, worst_tp = 0.0;
   for (int stage = 0; stage < l.pp; ++stage) {
-    const pipeline::Placement pl{.stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = l.partition};
+    const pipeline::Placement pl{
+        .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
     double blocks = 0;
     for (int ch = 0; ch < pl.chunks; ++ch) blocks += static_cast<double>(pl.end(ch) - pl.begin(ch));
     double forward = blocks * block_forward, backward = blocks * block_backward;
@@ -446,8 +435,7 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
 
   models::GPT2Config model = cfg;
   model.max_seq = std::max(cfg.max_seq, seq);
-  const double params = static_cast<double>(model.num_parameters());
-  const double flops_per_token = 6.0 * params + 6.0 * static_cast<double>(cfg.layers * cfg.dim * seq);
+  const double flops_per_token = train::flops_per_token(model.num_parameters(), cfg.layers, cfg.dim, seq);
   const double tokens = static_cast<double>(l.global_batch() * seq);
   const double peak = c.gemm(l.precision).peak_flops * (c.shared_node ? 1.0 : static_cast<double>(l.world()));
   time.mfu = flops_per_token * tokens / (time.step * peak);
@@ -455,7 +443,7 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
 }
 
 // Memory and time of a layout on a cluster, and whether it fits.
-inline Estimate estimate(const models::GPT2Config& cfg, std::int64_t seq, const Layout& l, const Cluster& c) {
+inline Estimate estimate(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
   Estimate e;
   std::tie(e.memory, e.memory_stage) = peak_memory(cfg, seq, l, c);
   e.time = step_time(cfg, seq, l, c);

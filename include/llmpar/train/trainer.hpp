@@ -61,6 +61,7 @@
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
+#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/executor.hpp"
 #include "llmpar/pipeline/schedule.hpp"
 #include "llmpar/precision/loss_scaler.hpp"
@@ -76,26 +77,21 @@ enum class SnapshotScope { saved, held };
 
 struct TrainerConfig {
   std::int64_t steps = 100;
-  std::int64_t grad_accum = 1;                       // micro-batches per optimizer step
   double peak_gflops = 0.0;                          // MFU denominator; 0 leaves MFU at 0
   precision::DynamicLossScale::Config loss_scale{};  // FP16Mixed's scaler (unused otherwise)
-  parallel::DataConfig data{};                       // buckets and overlap of data parallelism
-  // Under parallel::Pipeline<schedule::Configured>: the schedule's name ("gpipe", "1f1b",
-  // "interleaved", "zb") and the chunks per pipeline rank; with a fixed schedule tag,
-  // empty (or the tag's own). Under recompute::Configured: what blocks recompute.
-  std::string schedule{};
-  int virtual_stages = 1;
-  std::optional<recompute::Mode> recompute{};
+  // The layout the run trains at (parallel/layout.hpp). The trainer runs its schedule,
+  // chunks, recomputation, accumulation and gradient buckets, and checks that the rest
+  // (degrees, sequence parallelism, micro-batch, ZeRO stage, precision) is what the
+  // model, the groups, the loader and the policy are: parallel::layout_of<Policy>()
+  // starts one from the policy.
+  parallel::LayoutConfig layout{};
   // Loss spikes: detected, rolled back to an in-memory snapshot, their data skipped.
   SpikeGuardConfig spike_guard{};
 
   void validate() const {
-    data.validate();
+    layout.validate();
     spike_guard.validate();
-    LLMPAR_CHECK(virtual_stages >= 1, "virtual_stages is ", virtual_stages,
-                 "; each pipeline rank holds at least 1 chunk (--virtual-stages 1)");
     LLMPAR_CHECK(steps > 0, "steps is ", steps, "; train for at least 1 step");
-    LLMPAR_CHECK(grad_accum > 0, "grad_accum is ", grad_accum, "; use at least 1 micro-batch per step");
     LLMPAR_CHECK(peak_gflops >= 0.0, "peak_gflops is ", peak_gflops, "; it must be >= 0");
   }
 };
@@ -149,7 +145,7 @@ class Trainer {
       : ctx_(ctx),
         model_(model),
         executor_(model, make_schedule(model, cfg), shape_of(model, cfg), {groups.pp, groups.pp_grad}),
-        sync_(ctx, model, groups, cfg.data),
+        sync_(ctx, model, groups, cfg.layout.data),
         optimizer_(Backend::make_optimizer(ctx, sync_.optimizer_shard(), opt)),
         scaler_(scaler_config(cfg)),
         schedule_(schedule),
@@ -159,6 +155,7 @@ class Trainer {
         pipeline_(groups.pp && groups.pp->size() > 1 ? groups.pp : nullptr) {
     schedule.validate();
     if (cfg.spike_guard.enabled) guard_.emplace(cfg.spike_guard);
+    check_layout(cfg.layout, model, train);
     model.set_recompute(recompute_mode(cfg));
     if (replicas_) {
       LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
@@ -168,7 +165,7 @@ class Trainer {
     }
     // The loader draws global batches of every micro-batch of every dp rank of a step.
     const data::LoaderConfig& lc = train.config();
-    const std::int64_t per_step = static_cast<std::int64_t>(lc.batch_size) * lc.world * cfg.grad_accum;
+    const std::int64_t per_step = static_cast<std::int64_t>(lc.batch_size) * lc.world * cfg.layout.grad_accum;
     train.set_global_batch(per_step);
   }
 
@@ -177,7 +174,7 @@ class Trainer {
     if (guard_ && snapshot_step_ < 0) take_snapshot();
     const auto t0 = std::chrono::steady_clock::now();
     const auto& lc = train_.config();
-    const std::int64_t batch = lc.batch_size, seq = lc.seq_len, m = cfg_.grad_accum;
+    const std::int64_t batch = lc.batch_size, seq = lc.seq_len, m = cfg_.layout.grad_accum;
     const float loss_scale = scaler_.scale();
     read_micro_batches(train_, m);
     sync_.begin_step();
@@ -225,7 +222,8 @@ class Trainer {
     s.skipped_total = scaler_.skipped_steps();
     s.comm_ms = 1e3 * sync_.exposed_communication_seconds();
     s.bubble_ms = 1e3 * executor_.idle_seconds();
-    const double tokens = static_cast<double>(batch * seq * cfg_.grad_accum * (replicas_ ? replicas_->size() : 1));
+    const double tokens =
+        static_cast<double>(batch * seq * cfg_.layout.grad_accum * (replicas_ ? replicas_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
       const auto& mc = model_.config();
@@ -238,7 +236,7 @@ class Trainer {
 
   // Skips the data of n steps (grad_accum batches each): what a run that never saw them reads next.
   void skip_batches(std::int64_t n) {
-    for (std::int64_t i = 0; i < n * cfg_.grad_accum; ++i) static_cast<void>(train_.next());
+    for (std::int64_t i = 0; i < n * cfg_.layout.grad_accum; ++i) static_cast<void>(train_.next());
   }
 
   // Called once per step after the gradients are complete (reduced over dp, summed over
@@ -364,7 +362,7 @@ class Trainer {
             {"dp", sync_.dp_size()},
             {"zero", Policy::kZeroStage},
             {"precision", Precision::kName},
-            {"grad_accum", cfg_.grad_accum}};
+            {"grad_accum", cfg_.layout.grad_accum}};
   }
 
  private:
@@ -499,48 +497,64 @@ class Trainer {
   static pipeline::Shape shape_of(const Model& model, const TrainerConfig& cfg) {
     cfg.validate();
     const auto& pl = model.placement();
-    return {pl.stages, pl.chunks, static_cast<int>(cfg.grad_accum)};
+    return {pl.stages, pl.chunks, static_cast<int>(cfg.layout.grad_accum)};
   }
-  // The schedule the policy names (or, under schedule::Configured, the configuration),
-  // for the model's pipeline.
+  // The schedule the policy names (or, under schedule::Configured, the layout's), for
+  // the model's pipeline.
   static pipeline::Schedule make_schedule(const Model& model, const TrainerConfig& cfg) {
     const pipeline::Shape shape = shape_of(model, cfg);
+    const std::string& name = cfg.layout.schedule;
     using P = typename Policy::pipeline;
     if constexpr (std::is_same_v<P, parallel::NoPipeline>) {
       LLMPAR_CHECK(shape.stages == 1, "the model is split into ", shape.stages,
                    " pipeline stages but the policy has no pipeline; compose it with parallel::Pipeline<...>");
-      LLMPAR_CHECK(cfg.schedule.empty() || cfg.schedule == "1f1b", "TrainerConfig::schedule is '", cfg.schedule,
-                   "' but the policy has no pipeline (parallel::NoPipeline)");
-      return pipeline::one_f_one_b(shape);
     } else {
       using S = typename P::Schedule;
-      std::string name = S::kFlag;
-      if constexpr (std::is_same_v<S, schedule::Configured>) {
-        name = cfg.schedule.empty() ? std::string("1f1b") : cfg.schedule;
-      } else {
-        LLMPAR_CHECK(cfg.schedule.empty() || cfg.schedule == name, "TrainerConfig::schedule is '", cfg.schedule,
-                     "' but the policy's schedule is ", S::kName, " ('", name,
-                     "'); leave the configuration's empty, or compose parallel::Pipeline<schedule::Configured>");
-        LLMPAR_CHECK(shape.chunks == S::kChunks || (S::kChunks == 1 && shape.chunks == 1), "the model holds ",
-                     shape.chunks, " chunks per pipeline rank but ", S::kName, " runs ", S::kChunks);
+      if constexpr (!std::is_same_v<S, schedule::Configured>) {
+        LLMPAR_CHECK(name == S::kFlag, "the layout's schedule is '", name, "' but the policy's is ", S::kName, " ('",
+                     S::kFlag,
+                     "'); set LayoutConfig::schedule to it (parallel::layout_of<Policy>() does), or compose "
+                     "parallel::Pipeline<schedule::Configured>");
+        LLMPAR_CHECK(shape.chunks == S::kChunks, "the model holds ", shape.chunks, " chunks per pipeline rank but ",
+                     S::kName, " runs ", S::kChunks);
       }
-      LLMPAR_CHECK(shape.stages > 1 || name == "1f1b", "the schedule '", name,
-                   "' needs a pipeline of 2 stages or more; one stage runs its micro-batches one after another "
-                   "(1f1b), so that the data-parallel reduction overlaps the last backward");
-      return pipeline::make_schedule(name, shape);
     }
+    return pipeline::make_schedule(name, shape);
   }
   static recompute::Mode recompute_mode(const TrainerConfig& cfg) {
     using R = typename Policy::recompute;
-    if constexpr (std::is_same_v<R, recompute::Configured>) {
-      return cfg.recompute.value_or(recompute::Mode::none);
-    } else {
-      LLMPAR_CHECK(!cfg.recompute || *cfg.recompute == R::kMode,
-                   "TrainerConfig::recompute disagrees with the "
-                   "policy's ",
-                   R::kName, "; leave it unset, or compose recompute::Configured");
-      return R::kMode;
-    }
+    if constexpr (!std::is_same_v<R, recompute::Configured>)
+      LLMPAR_CHECK(cfg.layout.recompute == R::kMode, "the layout's recomputation disagrees with the policy's ",
+                   R::kName,
+                   "; set LayoutConfig::recompute to it (parallel::layout_of<Policy>() does), or compose "
+                   "recompute::Configured");
+    return cfg.layout.recompute;
+  }
+  // The layout names what the model, its groups, the loader and the policy are.
+  void check_layout(const parallel::LayoutConfig& l, const Model& model, const data::DataLoader& train) const {
+    const nn::TensorParallelGroup tp = model.tensor_parallel();
+    const auto& pl = model.placement();
+    const int dp = replicas_ ? replicas_->size() : 1;
+    LLMPAR_CHECK(l.zero == Policy::kZeroStage, "the layout's ZeRO stage is ", l.zero, " but the policy's is ",
+                 Policy::data::kName, "; set LayoutConfig::zero to ", Policy::kZeroStage,
+                 " (parallel::layout_of<Policy>() starts from the policy)");
+    LLMPAR_CHECK(l.precision == dtype_of<T>(), "the layout's precision is ", parallel::precision_flag(l.precision),
+                 " but the policy's is ", Precision::kName,
+                 "; set LayoutConfig::precision to DType::", name_of(dtype_of<T>()),
+                 " (parallel::layout_of<Policy>() starts from the policy)");
+    LLMPAR_CHECK(l.tp == tp.size() && l.sp == tp.sequence_parallel(), "the layout is tp ", l.tp,
+                 l.sp ? " with" : " without", " sequence parallelism but the model is split over ", tp.size(), " ranks",
+                 tp.sequence_parallel() ? " with" : " without",
+                 " it; build the model's TensorParallelGroup from the "
+                 "layout (its tp group and sp)");
+    LLMPAR_CHECK(l.pp == pl.stages && l.virtual_stages == pl.chunks, "the layout is pp ", l.pp, " x ", l.virtual_stages,
+                 " chunks but the model is placed on ", pl.stages, " stages x ", pl.chunks,
+                 " chunks; build its pipeline::Placement from the layout");
+    LLMPAR_CHECK(l.dp == dp, "the layout is dp ", l.dp, " but the data-parallel group has ", dp,
+                 " ranks; set LayoutConfig::dp (LayoutConfig::fit_world does, from the ranks)");
+    LLMPAR_CHECK(l.micro_batch == train.config().batch_size, "the layout's micro-batch is ", l.micro_batch,
+                 " sequences but the loader reads ", train.config().batch_size,
+                 "; give LoaderConfig::batch_size the layout's micro_batch");
   }
 
   // The next n batches of a loader, copied (a loader's batch is a view of its buffer).
