@@ -37,7 +37,7 @@ struct StepFixture {
   StepFixture(const std::string& preset, std::int64_t b, std::int64_t s)
       : cfg(models::GPT2Config::preset(preset)), batch(b), seq(s) {
     model = std::make_unique<models::GPT2<T>>(cfg, 1337);
-    opt = std::make_unique<optim::AdamW<T>>(model->parameter_store(), optim::AdamWConfig{});
+    opt = std::make_unique<optim::AdamW<T>>(ctx, model->parameter_store(), optim::AdamWConfig{});
     const auto stream = rng::Stream::named(1, "bench tokens");
     for (std::int64_t i = 0; i <= b * s; ++i)
       tokens.push_back(static_cast<std::int32_t>(stream.bits(static_cast<std::uint64_t>(i))[0] % cfg.vocab));
@@ -147,7 +147,7 @@ void register_tensor_parallel(double peak_gflops) {
           backend::cpu::Context ctx;
           models::GPT2<float> model(cfg, 1337, nn::TensorParallelGroup(&world, sp));
           parallel::GradSync<models::GPT2<float>, 0> sync(ctx, model, {.world = &world}, {});
-          optim::AdamW<float> opt(sync.optimizer_shard(), optim::AdamWConfig{});
+          optim::AdamW<float> opt(ctx, sync.optimizer_shard(), optim::AdamWConfig{});
           auto step = [&] {
             sync.begin_step();
             sync.begin_micro_batch(true);

@@ -156,13 +156,11 @@ __global__ void __launch_bounds__(kAdamWThreads)
   __shared__ float grad_scale;
   __shared__ int step_ok;
   if (threadIdx.x == 0) {
-    // In double, with the CPU optimizer's expression for the clip factor.
+    // In double, with the CPU optimizer's clip factor (math::clip_factor).
     const double norm = sqrt(static_cast<double>(*norm_sq)) * static_cast<double>(inv_loss_scale);
     const bool ok = is_finite(norm);
     if (!ok && blockIdx.x == 0) *found_inf = 1;
-    const double clip =
-        (max_norm > 0.0f && norm > static_cast<double>(max_norm)) ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
-    grad_scale = static_cast<float>(static_cast<double>(inv_loss_scale) * clip);
+    grad_scale = static_cast<float>(static_cast<double>(inv_loss_scale) * math::clip_factor(norm, max_norm));
     step_ok = ok ? 1 : 0;
   }
   __syncthreads();

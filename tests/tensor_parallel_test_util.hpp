@@ -60,7 +60,8 @@ void train_five_steps(Model& model, Run& run, std::mutex& mutex, bool lead) {
   // ±lr step, in the serial run and the parallel one alike, but not the same step.
   // The tensor-parallel group is the whole world here: the global norm sums over it.
   parallel::GradSync<Model, 0> sync(ctx, model, {.world = model.tensor_parallel().communicator()}, {});
-  optim::AdamW<T> opt(sync.optimizer_shard(), {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
+  optim::AdamW<T> opt(ctx, sync.optimizer_shard(),
+                      {.lr = 1e-2f, .eps = 1e-2f, .weight_decay = 0.1f, .grad_clip = 0.5f});
   const std::int64_t B = 3, S = 16, V = model.config().vocab;
   std::vector<std::int32_t> tokens(B * S), targets(B * S);
   std::vector<double> losses;

@@ -20,6 +20,7 @@
 #include "../examples/custom_layer.hpp"
 #include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/comm/thread_comm.hpp"
+#include "llmpar/nn/model.hpp"
 #include "llmpar/nn/rmsnorm.hpp"
 #include "model_test_util.hpp"
 #include "tensor_parallel_test_util.hpp"
@@ -30,6 +31,9 @@ using custom_layer::LlamaModel;
 using tp_test::relative_difference;
 using tp_test::Run;
 using tp_test::train_five_steps;
+
+// A model of a user's blocks is an nn::Model, as models::GPT2 is: the trainer takes it.
+static_assert(nn::check_model<LlamaModel<float>>());
 
 namespace {
 

@@ -97,7 +97,7 @@ TEST_CASE("AdamW steps overfit one batch: the loss falls by more than half") {
   auto cfg = small_config();
   cfg.init_std = 0.02f;
   models::GPT2<float> model(cfg, 1);
-  optim::AdamW<float> opt(model.parameter_store(), {.lr = 3e-2f, .weight_decay = 0.0f});
+  optim::AdamW<float> opt(ctx, model.parameter_store(), {.lr = 3e-2f, .weight_decay = 0.0f});
   const auto tokens = random_tokens(12, cfg.vocab, 9);
   const auto targets = random_tokens(12, cfg.vocab, 10);
   double first = 0, last = 0;
@@ -170,7 +170,7 @@ TEST_CASE("the model learns to copy: attention carries tokens across positions")
   backend::cpu::Context ctx;
   const models::GPT2Config cfg{.layers = 2, .heads = 2, .dim = 64, .max_seq = 32, .vocab = 16, .padded_vocab = 16};
   models::GPT2<float> model(cfg, 1);
-  optim::AdamW<float> opt(model.parameter_store(), {.lr = 3e-3f, .weight_decay = 0.0f});
+  optim::AdamW<float> opt(ctx, model.parameter_store(), {.lr = 3e-3f, .weight_decay = 0.0f});
   const std::int64_t B = 16, S = 31;
   std::vector<std::int32_t> tokens(B * S), targets(B * S);
   const auto stream = rng::Stream::named(5, "copy task");
@@ -235,8 +235,8 @@ TEST_CASE("µP at its base width is the standard model bit for bit: weights, lr 
   REQUIRE(sa.flat_size() == sb.flat_size());
   CHECK(std::memcmp(sa.values(), sb.values(), static_cast<std::size_t>(sa.flat_size()) * sizeof(float)) == 0);
   for (const auto* p : sb.parameters()) CHECK(p->lr_scale == 1.0f);
-  optim::AdamW<float> oa(a.parameter_store(), {.lr = 1e-2f});
-  optim::AdamW<float> ob(b.parameter_store(), {.lr = 1e-2f});
+  optim::AdamW<float> oa(ctx, a.parameter_store(), {.lr = 1e-2f});
+  optim::AdamW<float> ob(ctx, b.parameter_store(), {.lr = 1e-2f});
   const auto tokens = random_tokens(12, standard.vocab, 5);
   const auto targets = random_tokens(12, standard.vocab, 6);
   for (int step = 0; step < 2; ++step) {
@@ -355,7 +355,7 @@ TEST_CASE("µP's first AdamW step moves a hidden matrix by lr / width_mult and a
   cfg.mup_base_dim = 8;  // width_mult 4
   models::GPT2<float> model(cfg, 5);
   const float lr = 1e-3f;
-  optim::AdamW<float> opt(model.parameter_store(), {.lr = lr, .weight_decay = 0.0f, .grad_clip = 0.0f});
+  optim::AdamW<float> opt(ctx, model.parameter_store(), {.lr = lr, .weight_decay = 0.0f, .grad_clip = 0.0f});
   auto& store = model.parameter_store();
   const std::vector<float> before(store.values(), store.values() + store.flat_size());
   const auto tokens = random_tokens(12, cfg.vocab, 1);
@@ -397,7 +397,8 @@ TEST_CASE("AdamW runs each segment at lr x lr_scale, the decoupled weight decay 
     g[static_cast<std::size_t>(i)] = static_cast<float>(1e-3 * s.normal(static_cast<std::uint64_t>(n + i)));
   }
   const std::vector<float> start = p1;
-  optim::AdamW<float> opt({{p1.data(), g.data(), n, true, 1.0f}, {p2.data(), g.data(), n, true, 0.25f}},
+  backend::cpu::Context ctx;
+  optim::AdamW<float> opt(ctx, {{p1.data(), g.data(), n, true, 1.0f}, {p2.data(), g.data(), n, true, 0.25f}},
                           {.lr = 1e-2f, .eps = 1e-3f, .weight_decay = 0.5f, .grad_clip = 0.0f});
   for (int step = 0; step < 3; ++step) opt.step(1e-2f);
   for (std::int64_t i = 0; i < n; ++i) {

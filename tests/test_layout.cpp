@@ -15,6 +15,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/models/gpt2.hpp"
+#include "llmpar/nn/model.hpp"
 #include "llmpar/parallel/layout.hpp"
 #include "llmpar/train/trainer.hpp"
 
@@ -145,6 +146,10 @@ TEST_CASE("layout: a GPT-2's partition follows the layout's rule") {
   CHECK(error_of([&] { static_cast<void>(models::partition_of(cfg, l)); }).find("8") != std::string::npos);
   CHECK(cfg.num_parameters() == cfg.embedding_parameters() + cfg.layers * cfg.block_parameters() + 2 * cfg.dim);
 }
+
+// The models the trainer takes are nn::Models (a model missing a member is
+// tests/compile_fail/model_missing_token_table.cpp).
+static_assert(nn::Model<models::GPT2<float>> && nn::check_model<models::GPT2<bf16>>());
 
 TEST_CASE("layout: the trainer refuses a layout that is not its model's, groups', loader's or policy's") {
   using Model = models::GPT2<float>;

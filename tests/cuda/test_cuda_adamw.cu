@@ -20,9 +20,9 @@
 //   - the plan and step() reject bad tensors and hyper-parameters with messages that
 //     name the tensor or field and the fix, before any CUDA call (checked before the
 //     no-device skip).
-// And the optimizer the trainer builds, backend::cuda::AdamW<bf16> over a
+// And the optimizer the trainer builds, optim::AdamW<bf16, backend::Cuda> over a
 // ParameterStore<bf16, memory::Device> of three ragged parameters, against the CPU's
-// optim::AdamW<bf16> over the same model on the host, fed the same f32 main grads:
+// same optimizer over the CPU's kernel (the same model on the host), fed the same f32 main grads:
 //   - after each of 3 steps (clipping active): the gradient norm within 1e-6 relative,
 //     the f32 master weights and both moments within f32 rounding (count_far's 1e-5
 //     relative + 1e-6 rms), the bf16 working copy the bf16 rounding of the device's
@@ -49,6 +49,7 @@
 
 #include "gpu_test.hpp"
 #include "llmpar/backend/cpu/adamw.hpp"
+#include "llmpar/backend/cpu/convert.hpp"
 #include "llmpar/backend/cpu/reduce.hpp"
 #include "llmpar/backend/cuda/backend.hpp"
 #include "llmpar/backend/cuda/memory.hpp"
@@ -58,7 +59,7 @@
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/optim/adamw.hpp"
 
-// The model of the cuda::AdamW checks, outside the anonymous namespace: nvcc flags a
+// The model of the AdamW<bf16, backend::Cuda> checks, outside the anonymous namespace: nvcc flags a
 // member template of an internal-linkage class that only a concept check
 // (nn::HasParameters) instantiates as declared but never referenced.
 namespace llmpar::gpu_test::adamw {
@@ -437,11 +438,36 @@ void check_non_finite(cudaStream_t stream, float poison, const char* poison_name
 }
 
 // ---------------------------------------------------------------------------------------
-// backend::cuda::AdamW<bf16> against optim::AdamW<bf16>.
+// optim::AdamW<bf16, backend::Cuda> against the same optimizer over the CPU's kernel:
+// one optimizer class, its update on each backend's kernel.
 
 namespace nn = llmpar::nn;
 namespace optim = llmpar::optim;
 namespace cuda = llmpar::backend::cuda;
+
+// The CPU backend's part of the optimizer (its AdamW kernel, zero, convert, sum of
+// squares), as backend::Cpu has it: backend::Cpu itself cannot be compiled by nvcc (its
+// GEMMs include oneDNN's headers, tests/cuda/cpu_gemm.hpp), and the optimizer needs no
+// more of it than this.
+struct HostOptimizerBackend {
+  struct Context {};
+  using Space = llmpar::memory::Host;
+  template <class T>
+  using AdamWKernel = cpu::AdamWKernel<T>;
+  template <class T>
+  static void zero(Context&, T* p, std::int64_t n) {
+    std::fill(p, p + n, T{});
+  }
+  template <class To, class From>
+  static void convert(Context&, To* dst, const From* src, std::int64_t n) {
+    cpu::convert(dst, src, n);
+  }
+  template <class G>
+  static double sum_of_squares(Context&, const G* x, std::int64_t n) {
+    return cpu::sum_of_squares(x, n);
+  }
+};
+using HostAdamW = optim::AdamW<bf16, HostOptimizerBackend>;
 
 using llmpar::gpu_test::adamw::ThreeParameters;
 
@@ -460,13 +486,13 @@ class OptimizerPair {
     host_store_.initialize(kSeed);
     device_store_.bind(device_model_);
     device_store_.initialize(kSeed);
-    host_opt_.emplace(host_store_, cfg);
+    host_opt_.emplace(host_ctx_, host_store_, cfg);
     device_opt_.emplace(ctx, device_store_, cfg);
   }
 
   std::int64_t flat_size() const { return host_store_.flat_size(); }
-  optim::AdamW<bf16>& host() { return *host_opt_; }
-  cuda::AdamW<bf16>& device() { return *device_opt_; }
+  HostAdamW& host() { return *host_opt_; }
+  optim::AdamW<bf16, llmpar::backend::Cuda>& device() { return *device_opt_; }
 
   // The flat f32 main grads of step `seed`: scale * 0.01 * N(0, 1) per parameter element,
   // padding 0; with `poisoned`, element 1000 of the weight is `poison` instead.
@@ -489,7 +515,7 @@ class OptimizerPair {
 
   // The device optimizer's state: the working copy (the store's flat value buffer,
   // flat_size() elements, each parameter at its 64-byte-aligned offset, zero padding
-  // between), and the masters, m and v, which cuda::AdamW lays out as optim::AdamW does:
+  // between), and the masters, m and v, which optim::AdamW lays out on either backend:
   // segment after segment, without padding (numel() elements). The first H200 run read
   // flat_size() elements of those too: 76 floats past the end of each allocation, which
   // cudaMemcpyAsync refused (cudaErrorInvalidValue).
@@ -503,7 +529,7 @@ class OptimizerPair {
   };
   DeviceState device_state() {
     const cudaStream_t stream = ctx_.stream();
-    cuda::AdamW<bf16>& opt = *device_opt_;
+    optim::AdamW<bf16, llmpar::backend::Cuda>& opt = *device_opt_;
     return {copy_out(device_store_.values(), flat_size(), stream),
             copy_out(opt.master_weights().data(), opt.master_weights().size(), stream),
             copy_out(opt.first_moment().data(), opt.first_moment().size(), stream),
@@ -515,7 +541,7 @@ class OptimizerPair {
   // CPU's working copy, or the padding between parameters is not zero.
   std::int64_t differences() {
     const DeviceState d = device_state();
-    optim::AdamW<bf16>& h = *host_opt_;
+    HostAdamW& h = *host_opt_;
     const auto host_vector = [&](const llmpar::Buffer<float>& b) { return std::vector<float>(b.begin(), b.end()); };
     std::int64_t bad = count_far(d.master, host_vector(h.master_weights()), "master");
     bad += count_far(d.m, host_vector(h.first_moment()), "m");
@@ -549,11 +575,12 @@ class OptimizerPair {
 
  private:
   cuda::Context& ctx_;
+  HostOptimizerBackend::Context host_ctx_;
   ThreeParameters host_model_, device_model_;
   nn::ParameterStore<bf16> host_store_;
   nn::ParameterStore<bf16, llmpar::memory::Device> device_store_;
-  std::optional<optim::AdamW<bf16>> host_opt_;
-  std::optional<cuda::AdamW<bf16>> device_opt_;
+  std::optional<HostAdamW> host_opt_;
+  std::optional<optim::AdamW<bf16, llmpar::backend::Cuda>> device_opt_;
 };
 
 constexpr float kLr = 1e-3f;
@@ -580,7 +607,7 @@ void check_cuda_optimizer(cuda::Context& ctx) {
               ", " + std::to_string(bad) + " bad;";
   }
   ok = ok && pair.device().steps_taken() == kSteps && pair.host().steps_taken() == kSteps;
-  report(ok, "cuda::AdamW<bf16> vs optim::AdamW<bf16>, 3 parameters, clip active:" + detail);
+  report(ok, "AdamW<bf16> on the GPU vs on the CPU, 3 parameters, clip active:" + detail);
 
   // An inf gradient: reported, skipped, nothing changes.
   const float inf = std::numeric_limits<float>::infinity();
@@ -594,12 +621,12 @@ void check_cuda_optimizer(cuda::Context& ctx) {
   const bool still = pair.device().steps_taken() == kSteps && pair.host().steps_taken() == kSteps;
   report(!cpu_norm.finite && !gpu_norm.finite && skipped.skipped && cpu_skipped.skipped && unchanged && still &&
              pair.differences() == 0,
-         std::string("cuda::AdamW<bf16> one inf gradient: gradient_norm finite=") +
+         std::string("AdamW<bf16> on the GPU, one inf gradient: gradient_norm finite=") +
              (gpu_norm.finite ? "true" : "false") + " (cpu " + (cpu_norm.finite ? "true" : "false") + "), step " +
              (skipped.skipped ? "skipped" : "TAKEN") + ", state " + (unchanged ? "bitwise unchanged" : "CHANGED") +
              ", steps_taken " + std::to_string(pair.device().steps_taken()));
-  expect_error([&] { pair.device().update(kLr, gpu_norm); }, "cuda::AdamW::update with a non-finite gradient norm",
-               "cuda::AdamW::update after a non-finite norm");
+  expect_error([&] { pair.device().update(kLr, gpu_norm); }, "AdamW::update with a non-finite gradient norm",
+               "AdamW::update on the GPU after a non-finite norm");
 
   // Loss scaling: 1024 G with inv_loss_scale 1/1024 is the unscaled run, bit for bit.
   OptimizerPair scaled(ctx, cfg);
@@ -615,7 +642,7 @@ void check_cuda_optimizer(cuda::Context& ctx) {
   }
   const bool same_as_unscaled = scaled.device_state() == pair.device_state();
   report(norms_equal && same_as_unscaled && bad == 0,
-         std::string("cuda::AdamW<bf16> gradients x1024, inv_loss_scale 1/1024, 3 steps: norms ") +
+         std::string("AdamW<bf16> on the GPU, gradients x1024, inv_loss_scale 1/1024, 3 steps: norms ") +
              (norms_equal ? "equal to" : "DIFFERENT from") + " the unscaled run's, state " +
              (same_as_unscaled ? "bitwise equal to" : "DIFFERENT from") + " the unscaled run's, " +
              std::to_string(bad) + " elements off the cpu");

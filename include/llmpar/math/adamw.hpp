@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "llmpar/config.hpp"
 #include "llmpar/core/error.hpp"
@@ -24,6 +25,29 @@ struct AdamWParams {
   float eps = 1e-8f;
   float weight_decay = 0.0f;  // decoupled: multiplies lr * p, not added to the gradient
 };
+
+// One tensor of an optimizer's update, as a backend's AdamW kernel takes it: n elements
+// of the master weights (the parameters themselves when Param is Master: param is then
+// nullptr), the storage copy the update refreshes (Param = bf16/f16), the gradients and
+// the two moments, all in the backend's memory. optim::AdamW builds the table; the
+// backends' kernels (backend::cpu::AdamWKernel, backend::cuda::AdamWKernel) run it.
+template <class Master, class Param>
+struct AdamWSlot {
+  Master* master = nullptr;
+  Param* param = nullptr;
+  const Master* grad = nullptr;  // still multiplied by the loss scale
+  Master* m = nullptr;
+  Master* v = nullptr;
+  std::int64_t n = 0;
+  bool decay = false;     // weight decay applies (matrices, embeddings)
+  float lr_scale = 1.0f;  // this tensor's step runs at lr x lr_scale (µP's hidden matrices)
+};
+
+// The clip factor for a gradient of global norm `norm` (1 when clipping is off or the
+// norm is within max_norm): the same expression on both backends, in double.
+LLMPAR_HOST_DEVICE double clip_factor(double norm, float max_norm) {
+  return max_norm > 0.0f && norm > max_norm ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
+}
 
 // 1 - beta^step for both moments; step counts from 1.
 struct AdamWBiasCorrections {

@@ -16,23 +16,24 @@
 // (train::Trainer with parallel::GradSync) decides between them:
 //   GradNorm g = sync.gradient_norm(inv_scale);  // global norm over every group, finite or not
 //   if (g.finite) opt.update(lr, g, inv_scale);  // else skip: weights, moments, step count unchanged
-// step(lr) does both for one rank. The CUDA optimizer (backend/cuda/backend.hpp) has the
-// same calls, and both backends detect, skip and report a non-finite gradient the same way.
+// step(lr) does both for one rank. It is one optimizer for both backends: only the
+// update's kernel is the backend's (Backend::AdamWKernel), so both detect, skip and
+// report a non-finite gradient the same way.
 #pragma once
 
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "llmpar/backend/cpu/adamw.hpp"
-#include "llmpar/backend/cpu/convert.hpp"
-#include "llmpar/backend/cpu/reduce.hpp"
+#include "llmpar/backend/backend.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/core/tensor.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/nn/parameter.hpp"
 
@@ -68,11 +69,7 @@ struct StepResult {
   bool skipped = false;    // a gradient was inf/NaN: nothing was updated
 };
 
-// The clip factor for a gradient of global norm `norm` (1 when clipping is off or the
-// norm is within max_norm): the same expression on both backends.
-inline double clip_factor(double norm, float max_norm) {
-  return max_norm > 0.0f && norm > max_norm ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
-}
+using math::clip_factor;
 
 // What one optimizer updates: its elements of the parameters, as segments (a whole
 // parameter, or the part of it in a ZeRO shard). Pointers are in the backend's memory.
@@ -93,20 +90,17 @@ std::vector<Segment<T>> whole_store(nn::ParameterStore<T, Space>& store) {
   return out;
 }
 
-// L2 norm of all gradients of a store, deterministic whatever the thread count.
-template <class T>
-double gradient_norm(const nn::ParameterStore<T>& store) {
-  return std::sqrt(backend::cpu::sum_of_squares(store.grads(), store.flat_size()));
-}
-
-// AdamW over a shard: the moments (and, for a 16-bit model, the f32 master weights) of
-// the shard's elements, laid out segment after segment. The optimizer knows nothing of
-// groups: the global norm over tensor, data and ZeRO shards is the data-parallel
-// strategy's (parallel::GradSync); gradient_norm() here is the norm of this shard alone,
-// for a run that has one rank.
-template <class T>
+// AdamW over a shard, on either backend: the moments (and, for a 16-bit model, the f32
+// master weights) of the shard's elements, laid out segment after segment in the
+// backend's memory; the update runs on the backend's kernel (Backend::AdamWKernel:
+// backend/cpu/adamw.hpp, or the CUDA multi-tensor kernel), which takes the table of
+// tensors built here once. The optimizer knows nothing of groups: the global norm over
+// tensor, data and ZeRO shards is the data-parallel strategy's (parallel::GradSync).
+template <class T, class Backend = backend::Cpu>
 class AdamW {
  public:
+  using Context = typename Backend::Context;
+  using Space = typename Backend::Space;
   using Grad = acc_t<T>;
   // The type the update computes in: f32 for float and 16-bit stores, double for the
   // double models of the tests.
@@ -114,8 +108,10 @@ class AdamW {
   // A bf16/f16 store keeps its f32 master copy here; a float (or double) store is its
   // own master.
   static constexpr bool kSeparateMaster = !std::is_same_v<T, Master>;
+  using Kernel = typename Backend::template AdamWKernel<T>;
 
-  AdamW(std::vector<Segment<T>> shard, const AdamWConfig& cfg) : shard_(std::move(shard)), cfg_(cfg) {
+  AdamW(Context& ctx, std::vector<Segment<T>> shard, const AdamWConfig& cfg)
+      : ctx_(&ctx), shard_(std::move(shard)), cfg_(cfg) {
     cfg.validate();
     std::int64_t total = 0;
     for (const Segment<T>& s : shard_) {
@@ -124,51 +120,57 @@ class AdamW {
     }
     m_.resize(total);
     v_.resize(total);
-    m_.zero();
-    v_.zero();
+    Backend::zero(ctx, m_.data(), total);
+    Backend::zero(ctx, v_.data(), total);
     if constexpr (kSeparateMaster) {
       master_.resize(total);
       for (std::size_t k = 0; k < shard_.size(); ++k)
-        backend::cpu::convert(master_.data() + offsets_[k], shard_[k].value, shard_[k].n);
+        Backend::convert(ctx, master_.data() + offsets_[k], shard_[k].value, shard_[k].n);
     }
+    std::vector<math::AdamWSlot<Master, T>> slots;
+    for (std::size_t k = 0; k < shard_.size(); ++k) {
+      const Segment<T>& s = shard_[k];
+      const std::int64_t at = offsets_[k];
+      math::AdamWSlot<Master, T> slot{
+          .grad = s.grad, .m = m_.data() + at, .v = v_.data() + at, .n = s.n, .decay = s.decay, .lr_scale = s.lr_scale};
+      if constexpr (kSeparateMaster) {
+        slot.master = master_.data() + at;
+        slot.param = s.value;
+      } else {
+        slot.master = s.value;
+      }
+      slots.push_back(slot);
+    }
+    kernel_.emplace(ctx, std::move(slots));
   }
   // Every parameter of a store (one rank, or replicas that each update everything).
-  AdamW(nn::ParameterStore<T>& store, const AdamWConfig& cfg) : AdamW(whole_store(store), cfg) {}
-
-  // The sum of squares of this shard's stored gradients (loss scale included).
-  double sum_of_squares() const {
-    double squares = 0.0;
-    for (const Segment<T>& s : shard_) squares += backend::cpu::sum_of_squares(s.grad, s.n);
-    return squares;
-  }
+  AdamW(Context& ctx, nn::ParameterStore<T, Space>& store, const AdamWConfig& cfg)
+      : AdamW(ctx, whole_store(store), cfg) {}
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
+  AdamW(AdamW&&) noexcept = default;
+  AdamW& operator=(AdamW&&) noexcept = default;
 
   // The norm of this shard's unscaled gradient (the stored gradients times
-  // inv_loss_scale) and whether it is finite: the global norm when the shard is the
-  // whole model of a one-rank run.
+  // inv_loss_scale) and whether it is finite: the global norm of a one-rank run, the
+  // same sum (Backend::sum_of_squares, piece by piece) parallel::GradSync takes over
+  // every rank's pieces.
   GradNorm gradient_norm(float inv_loss_scale = 1.0f) const {
-    const double squares = sum_of_squares() * static_cast<double>(inv_loss_scale) * inv_loss_scale;
+    double squares = 0.0;
+    for (const Segment<T>& s : shard_) squares += Backend::sum_of_squares(*ctx_, s.grad, s.n);
+    squares *= static_cast<double>(inv_loss_scale) * inv_loss_scale;
     return {std::sqrt(squares), std::isfinite(squares)};
   }
 
   // One update at learning rate `lr` (already scheduled; each segment at lr x its
   // lr_scale): each gradient times inv_loss_scale and the clip factor of norm.norm (the
-  // global norm). It must be finite.
+  // global norm). It must be finite. Queued on the backend's stream, not waited for.
   void update(float lr, const GradNorm& norm, float inv_loss_scale = 1.0f) {
     LLMPAR_CHECK(norm.finite, "AdamW::update with a non-finite gradient norm (", norm.norm,
                  "); skip the step instead (the trainer does, and its loss scaler backs off)");
     ++step_;
-    const float grad_scale =
-        static_cast<float>(static_cast<double>(inv_loss_scale) * clip_factor(norm.norm, cfg_.grad_clip));
-    for (std::size_t k = 0; k < shard_.size(); ++k) {
-      const Segment<T>& s = shard_[k];
-      const std::int64_t offset = offsets_[k];
-      const math::AdamWParams hp{lr * s.lr_scale, cfg_.beta1, cfg_.beta2, cfg_.eps, s.decay ? cfg_.weight_decay : 0.0f};
-      if constexpr (kSeparateMaster)
-        backend::cpu::adamw_update_master(master_.data() + offset, s.value, m_.data() + offset, v_.data() + offset,
-                                          s.grad, s.n, hp, step_, grad_scale);
-      else
-        backend::cpu::adamw_update(s.value, m_.data() + offset, v_.data() + offset, s.grad, s.n, hp, step_, grad_scale);
-    }
+    const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
+    kernel_->step(*ctx_, hp, step_, norm.norm, inv_loss_scale, cfg_.grad_clip);
   }
 
   // gradient_norm and update in one call (one rank); a non-finite gradient skips the update.
@@ -188,19 +190,21 @@ class AdamW {
   const AdamWConfig& config() const { return cfg_; }
   std::span<const Segment<T>> shard() const { return shard_; }
   // Moments (and master weights) of the shard, segment after segment.
-  Buffer<Master>& first_moment() { return m_; }
-  Buffer<Master>& second_moment() { return v_; }
+  Buffer<Master, Space>& first_moment() { return m_; }
+  Buffer<Master, Space>& second_moment() { return v_; }
   // The f32 master weights of a 16-bit store (empty for float stores, whose values are
   // the master).
-  Buffer<Master>& master_weights() { return master_; }
+  Buffer<Master, Space>& master_weights() { return master_; }
   // Bytes of optimizer state: moments and master weights.
   std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
 
  private:
+  Context* ctx_;
   std::vector<Segment<T>> shard_;
   std::vector<std::int64_t> offsets_;
   AdamWConfig cfg_;
-  Buffer<Master> m_, v_, master_;
+  Buffer<Master, Space> m_, v_, master_;
+  std::optional<Kernel> kernel_;
   int step_ = 0;
 };
 

@@ -58,6 +58,7 @@
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/core/dtype.hpp"
+#include "llmpar/nn/recompute.hpp"
 #include "llmpar/precision/policy.hpp"
 
 // The kinds of policy: every tag's Kind is one of these.
@@ -193,9 +194,6 @@ struct Stage {
 
 // Activation recomputation: what a layer keeps for backward and what it recomputes.
 namespace llmpar::recompute {
-
-// What a run recomputes: the model's run-time setting (models::Transformer::set_recompute).
-enum class Mode : std::uint8_t { none, selective, full };
 
 // Keep every activation backward needs.
 struct None {

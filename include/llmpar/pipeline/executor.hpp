@@ -46,6 +46,7 @@
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/nn/model.hpp"
 #include "llmpar/pipeline/partition.hpp"
 #include "llmpar/pipeline/schedule.hpp"
 
@@ -74,6 +75,7 @@ struct MicroBatch {
 template <class Model>
 class Executor {
  public:
+  static_assert(nn::check_model<Model>());
   using T = typename Model::value_type;
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;

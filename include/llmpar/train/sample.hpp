@@ -40,9 +40,7 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
   // A model split by sequence parallelism takes sequences of a multiple of its degree:
   // the window is padded on the right, which a causal model's earlier positions ignore.
   std::int64_t multiple = 1;
-  if constexpr (requires { model.tensor_parallel(); }) {
-    if (model.tensor_parallel().sequence_parallel()) multiple = model.tensor_parallel().size();
-  }
+  if (model.tensor_parallel().sequence_parallel()) multiple = model.tensor_parallel().size();
   const std::int64_t longest = mc.max_seq - mc.max_seq % multiple;
   LLMPAR_CHECK(longest > 0, "sampling needs sequences of a multiple of ", multiple, " tokens, longer than the model's ",
                mc.max_seq);

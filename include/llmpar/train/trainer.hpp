@@ -52,10 +52,12 @@
 #include <vector>
 
 #include "llmpar/backend/backend.hpp"
+#include "llmpar/backend/cpu/convert.hpp"
 #include "llmpar/checkpoint/checkpoint.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
+#include "llmpar/nn/model.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
@@ -123,13 +125,14 @@ class Trainer {
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;
   using T = typename Model::value_type;
-  using Optimizer = typename Backend::template Optimizer<T>;
+  using Optimizer = optim::AdamW<T, Backend>;
   using Space = typename Backend::Space;
   using Grad = acc_t<T>;
   using Precision = typename Policy::precision;
   using Scaler = precision::ScalerFor<Precision>;
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
   using Executor = pipeline::Executor<Model>;
+  static_assert(nn::check_model<Model>());
   static_assert(std::is_same_v<typename Policy::backend, Backend>,
                 "llmpar::train::Trainer: the policy's backend is not the model's; compose the policy with the "
                 "model's backend tag (Model::BackendTag)");
@@ -146,7 +149,7 @@ class Trainer {
         model_(model),
         executor_(model, make_schedule(model, cfg), shape_of(model, cfg), {groups.pp, groups.pp_grad}),
         sync_(ctx, model, groups, cfg.layout.data),
-        optimizer_(Backend::make_optimizer(ctx, sync_.optimizer_shard(), opt)),
+        optimizer_(ctx, sync_.optimizer_shard(), opt),
         scaler_(scaler_config(cfg)),
         schedule_(schedule),
         train_(train),
@@ -271,7 +274,7 @@ class Trainer {
   parallel::MemoryReport memory() const {
     parallel::MemoryReport r = sync_.memory();
     r.optimizer = optimizer_.state_bytes();
-    if constexpr (requires { model_.activation_bytes(); }) r.activations = model_.activation_bytes();
+    r.activations = model_.activation_bytes();
     r.activations += executor_.stash_bytes();
     return r;
   }

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/config.hpp"
@@ -82,5 +84,34 @@ void adamw_update_master(float* master, P* params, float* m, float* v, const flo
                 "adamw_update_master refreshes a 16-bit copy; float parameters are their own master (adamw_update)");
   detail::adamw_elements<float, P>(master, params, m, v, grads, n, hp, step, grad_scale, "adamw_update_master");
 }
+
+// The CPU's AdamW over an optimizer's table of tensors (optim::AdamW builds it): one
+// update of every tensor, each at lr x its lr_scale and with its own decay flag, every
+// gradient multiplied by 1 / loss scale x the clip factor of the global norm.
+template <class T>
+class AdamWKernel {
+ public:
+  using Master = acc_t<T>;
+  using Slot = math::AdamWSlot<Master, T>;
+
+  template <class Context>
+  AdamWKernel(Context&, std::vector<Slot> slots) : slots_(std::move(slots)) {}
+
+  // norm: the global norm of the unscaled gradient.
+  template <class Context>
+  void step(Context&, const math::AdamWParams& hp, int step, double norm, float inv_loss_scale, float max_norm) const {
+    const float grad_scale =
+        static_cast<float>(static_cast<double>(inv_loss_scale) * math::clip_factor(norm, max_norm));
+    for (const Slot& s : slots_) {
+      math::AdamWParams local = hp;
+      local.lr = hp.lr * s.lr_scale;
+      if (!s.decay) local.weight_decay = 0.0f;
+      detail::adamw_elements<Master, T>(s.master, s.param, s.m, s.v, s.grad, s.n, local, step, grad_scale, "AdamW");
+    }
+  }
+
+ private:
+  std::vector<Slot> slots_;
+};
 
 }  // namespace llmpar::backend::cpu

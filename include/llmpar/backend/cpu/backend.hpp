@@ -10,19 +10,21 @@
 #include <cstring>
 
 #include "llmpar/backend/backend.hpp"
+#include "llmpar/backend/cpu/adamw.hpp"
 #include "llmpar/backend/cpu/attention.hpp"
 #include "llmpar/backend/cpu/bias.hpp"
 #include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/backend/cpu/convert.hpp"
 #include "llmpar/backend/cpu/cross_entropy.hpp"
 #include "llmpar/backend/cpu/elementwise.hpp"
 #include "llmpar/backend/cpu/embedding.hpp"
 #include "llmpar/backend/cpu/gelu.hpp"
 #include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/backend/cpu/layernorm.hpp"
+#include "llmpar/backend/cpu/reduce.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
-#include "llmpar/optim/adamw.hpp"
 
 namespace llmpar::backend {
 
@@ -34,11 +36,7 @@ struct Cpu {
   template <class T>
   using Acc = cpu::acc_t<T>;
   template <class T>
-  using Optimizer = optim::AdamW<T>;
-  template <class T>
-  static Optimizer<T> make_optimizer(Context&, std::vector<optim::Segment<T>> shard, const optim::AdamWConfig& cfg) {
-    return Optimizer<T>(std::move(shard), cfg);
-  }
+  using AdamWKernel = cpu::AdamWKernel<T>;
 
   // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; C is T, or acc_t<T> (f32 main grads).
   template <class T, class TC = T>
@@ -172,6 +170,11 @@ struct Cpu {
   template <class T>
   static void zero(Context&, T* p, std::int64_t n) {
     if (n > 0) std::memset(static_cast<void*>(p), 0, static_cast<std::size_t>(n) * sizeof(T));
+  }
+  // dst (n) = src (n) converted (float, bf16, f16).
+  template <class To, class From>
+  static void convert(Context&, To* dst, const From* src, std::int64_t n) {
+    cpu::convert(dst, src, n);
   }
   static void synchronize(Context&) {}
   // Σ x² of n elements, deterministic whatever the thread count.

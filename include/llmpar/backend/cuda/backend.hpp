@@ -12,9 +12,9 @@
 // stream, so stream order keeps them apart and one buffer, grown to the largest
 // request, serves the whole step.
 //
-// cuda::AdamW is the optimizer the trainer builds for this backend: llmpar's
-// multi-tensor AdamW (kernels/adamw.cuh) over the model's flat parameter store, with the
-// gradient norm and the clipping factor computed on the device.
+// cuda::AdamWKernel is this backend's part of optim::AdamW (the one optimizer, over
+// either backend): llmpar's multi-tensor AdamW (kernels/adamw.cuh), with the clipping
+// factor computed on the device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,9 +39,6 @@
 #include "llmpar/kernels/elementwise.cuh"
 #include "llmpar/kernels/layernorm.cuh"
 #include "llmpar/math/adamw.hpp"
-#include "llmpar/nn/parameter.hpp"
-#include "llmpar/nn/tensor_parallel.hpp"
-#include "llmpar/optim/adamw.hpp"
 
 namespace llmpar::backend::cuda {
 
@@ -75,132 +72,50 @@ class Context {
   DeviceBuffer<std::byte> scratch_;
 };
 
-// AdamW over a shard of a ParameterStore in device memory: the same update as
-// optim::AdamW (same clipping rule, same per-parameter weight decay and lr scale, the
-// same calls a step), with f32 master weights for a bf16/f16 store (the update writes
-// the 16-bit working copy in the same kernel: kernels::AdamWPlan<float, T>).
-//
-// sum_of_squares() runs the norm kernels over the shard and reads the sum back; the
-// global norm over every group is parallel::GradSync's, which passes it to update().
-// update() puts the norm's square on the device for the step kernel's clip factor and
-// returns without waiting. The step kernel's own device check (found_inf) stays as a
-// guard; it cannot fire for a step the host let through.
+// The device's AdamW over an optimizer's table of tensors (optim::AdamW builds it and
+// owns the state): llmpar's multi-tensor kernel (kernels/adamw.cuh), its chunk table
+// built once. step() puts the square of the global norm (loss scale included) on the
+// device for the kernel's clip factor and returns without waiting; the kernel's own
+// device check (found_inf) stays as a guard, which cannot fire for a step the host let
+// through.
 template <class T>
-class AdamW {
+class AdamWKernel {
  public:
-  using Store = nn::ParameterStore<T, memory::Device>;
-  static constexpr bool kSeparateMaster = !std::is_same_v<T, float>;
+  using Slot = math::AdamWSlot<float, T>;
 
-  AdamW(Context& ctx, std::vector<optim::Segment<T>> shard, const optim::AdamWConfig& cfg)
-      : ctx_(ctx), shard_(std::move(shard)), cfg_(cfg), norm_sq_(1), found_inf_(1) {
-    cfg.validate();
-    std::int64_t total = 0;
-    for (const auto& s : shard_) {
-      offsets_.push_back(total);
-      total += s.n;
-    }
-    m_.resize(total);
-    v_.resize(total);
-    if (total > 0) {
-      LLMPAR_CHECK_CUDA(cudaMemsetAsync(m_.data(), 0, m_.bytes(), ctx.stream()));
-      LLMPAR_CHECK_CUDA(cudaMemsetAsync(v_.data(), 0, v_.bytes(), ctx.stream()));
-    }
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, found_inf_.bytes(), ctx.stream()));
-    if constexpr (kSeparateMaster) {
-      master_.resize(total);
-      for (std::size_t k = 0; k < shard_.size(); ++k)
-        if (shard_[k].n > 0) kernels::convert(ctx.stream(), master_.data() + offsets_[k], shard_[k].value, shard_[k].n);
-    }
+  AdamWKernel(Context& ctx, const std::vector<Slot>& slots) : norm_sq_(1), found_inf_(1) {
     std::vector<kernels::AdamWTensor<float, T>> tensors;
-    for (std::size_t k = 0; k < shard_.size(); ++k) {
-      const auto& s = shard_[k];
-      float* master = nullptr;
-      T* param = nullptr;
-      if constexpr (kSeparateMaster) {
-        master = master_.data() + offsets_[k];
-        param = s.value;
-      } else {
-        master = s.value;
-      }
-      tensors.push_back({.master = master,
-                         .param = param,
+    for (const Slot& s : slots)
+      tensors.push_back({.master = s.master,
+                         .param = s.param,
                          .grad = s.grad,
-                         .m = m_.data() + offsets_[k],
-                         .v = v_.data() + offsets_[k],
+                         .m = s.m,
+                         .v = s.v,
                          .n = s.n,
                          .decay = s.decay,
                          .lr_scale = s.lr_scale});
-    }
     plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<float, T>>(tensors));
   }
-  AdamW(Context& ctx, Store& store, const optim::AdamWConfig& cfg) : AdamW(ctx, optim::whole_store(store), cfg) {}
 
-  // Σ grad² over the shard (loss scale included), on the host.
-  double sum_of_squares() {
-    float host = 0.0f;
-    if (plan_->num_tensors() == 0) return 0.0;
-    plan_->grad_norm_squared(ctx_.stream(), norm_sq_.data(), ctx_.scratch_floats(plan_->workspace_floats()));
-    LLMPAR_CHECK_CUDA(cudaMemcpyAsync(&host, norm_sq_.data(), sizeof(float), cudaMemcpyDeviceToHost, ctx_.stream()));
-    ctx_.synchronize();
-    return static_cast<double>(host);
-  }
-
-  // The norm of this shard's unscaled gradient: the global norm of a one-rank run.
-  optim::GradNorm gradient_norm(float inv_loss_scale = 1.0f) {
-    const double squares = sum_of_squares();
-    return {std::sqrt(squares) * static_cast<double>(inv_loss_scale), std::isfinite(squares)};
-  }
-
-  // One update at learning rate lr with the global norm `norm`; queued, not waited for.
-  void update(float lr, const optim::GradNorm& norm, float inv_loss_scale = 1.0f) {
-    LLMPAR_CHECK(norm.finite, "cuda::AdamW::update with a non-finite gradient norm (", norm.norm,
-                 "); skip the step instead (the trainer does, and its loss scaler backs off)");
-    ++step_;
-    const math::AdamWParams hp{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay};
-    // The kernel computes the norm as sqrt(norm_sq) * inv_loss_scale. A copy from
+  // norm: the global norm of the unscaled gradient; inv_loss_scale and max_norm as the
+  // CPU kernel's grad_scale = inv_loss_scale x clip_factor(norm, max_norm).
+  void step(Context& ctx, const math::AdamWParams& hp, int step, double norm, float inv_loss_scale, float max_norm) {
+    // The kernel computes the norm as sqrt(norm_sq) x inv_loss_scale. A copy from
     // pageable host memory has read its source when cudaMemcpyAsync returns (the driver
     // stages it), so host_norm_sq_ may change afterwards without a wait.
-    const double scaled = norm.norm / static_cast<double>(inv_loss_scale);
+    const double scaled = norm / static_cast<double>(inv_loss_scale);
     host_norm_sq_ = static_cast<float>(scaled * scaled);
     LLMPAR_CHECK_CUDA(
-        cudaMemcpyAsync(norm_sq_.data(), &host_norm_sq_, sizeof(float), cudaMemcpyHostToDevice, ctx_.stream()));
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx_.stream()));
-    plan_->step(ctx_.stream(), hp, step_, norm_sq_.data(), inv_loss_scale, cfg_.grad_clip, found_inf_.data());
+        cudaMemcpyAsync(norm_sq_.data(), &host_norm_sq_, sizeof(float), cudaMemcpyHostToDevice, ctx.stream()));
+    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx.stream()));
+    plan_->step(ctx.stream(), hp, step, norm_sq_.data(), inv_loss_scale, max_norm, found_inf_.data());
   }
-
-  // gradient_norm and update in one call; a non-finite gradient skips the update.
-  optim::StepResult step(float lr, float inv_loss_scale = 1.0f) {
-    const optim::GradNorm g = gradient_norm(inv_loss_scale);
-    if (g.finite) update(lr, g, inv_loss_scale);
-    return {g.norm, !g.finite};
-  }
-
-  int steps_taken() const { return step_; }
-  // A checkpoint's count (the state it restores was built by that many updates).
-  void set_steps_taken(int n) {
-    LLMPAR_CHECK(n >= 0, "AdamW: a step count of ", n, " is negative");
-    step_ = n;
-  }
-  const optim::AdamWConfig& config() const { return cfg_; }
-  std::span<const optim::Segment<T>> shard() const { return shard_; }
-  std::size_t state_bytes() const { return m_.bytes() + v_.bytes() + master_.bytes(); }
-  // The optimizer's state, segment after segment (as optim::AdamW lays out its own).
-  Buffer<float, memory::Device>& first_moment() { return m_; }
-  Buffer<float, memory::Device>& second_moment() { return v_; }
-  // The f32 master weights of a 16-bit store (empty for a float store).
-  Buffer<float, memory::Device>& master_weights() { return master_; }
 
  private:
-  Context& ctx_;
-  std::vector<optim::Segment<T>> shard_;
-  std::vector<std::int64_t> offsets_;
-  optim::AdamWConfig cfg_;
-  Buffer<float, memory::Device> m_, v_, master_;
-  Buffer<float, memory::Device> norm_sq_;  // (1)
-  Buffer<int, memory::Device> found_inf_;
-  float host_norm_sq_ = 0.0f;
   std::optional<kernels::AdamWPlan<float, T>> plan_;
-  int step_ = 0;
+  Buffer<float, memory::Device> norm_sq_;  // (1)
+  Buffer<int, memory::Device> found_inf_;  // (1)
+  float host_norm_sq_ = 0.0f;
 };
 
 }  // namespace llmpar::backend::cuda
@@ -215,12 +130,7 @@ struct Cuda {
   template <class T>
   using Acc = float;
   template <class T>
-  using Optimizer = cuda::AdamW<T>;
-  template <class T>
-  static Optimizer<T> make_optimizer(Context& ctx, std::vector<optim::Segment<T>> shard,
-                                     const optim::AdamWConfig& cfg) {
-    return Optimizer<T>(ctx, std::move(shard), cfg);
-  }
+  using AdamWKernel = cuda::AdamWKernel<T>;
 
   // C(M,N) [+]= op(A)·op(B) [+ bias(N)]; a bias becomes cuBLASLt's bias epilogue. C is T,
   // or float (16-bit operands writing f32 main grads).
@@ -372,6 +282,11 @@ struct Cuda {
   template <class T>
   static void zero(Context& ctx, T* p, std::int64_t n) {
     if (n > 0) LLMPAR_CHECK_CUDA(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), ctx.stream()));
+  }
+  // dst (n) = src (n) converted (float, bf16, f16), in device memory.
+  template <class To, class From>
+  static void convert(Context& ctx, To* dst, const From* src, std::int64_t n) {
+    if (n > 0) kernels::convert(ctx.stream(), dst, src, n);
   }
   static void synchronize(Context& ctx) { ctx.synchronize(); }
   // Σ x² of n device floats, on the host (waits for the stream).
