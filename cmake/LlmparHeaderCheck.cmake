@@ -3,9 +3,10 @@
 # plus one that includes them all and links them into one program, which catches a
 # non-inline definition in a header as a duplicate symbol. Compiled with the project's
 # warnings (and -Werror where enabled) but without optimisation: this checks the
-# headers, not code generation. CUDA-only headers (backend/cuda/, and comm/nccl_comm.hpp
-# where NCCL is enabled) are compiled by nvcc in header_check_cuda when the CUDA backend
-# is built.
+# headers, not code generation. The CUDA backend's headers (backend/cuda/, and
+# comm/nccl_comm.hpp where NCCL is enabled) are checked in header_check_cuda when the CUDA
+# backend is built: by nvcc, and the .hpp ones by the C++ compiler too, as plain C++
+# trainers include them (their device code, backend/cuda/ops.cuh, is nvcc's alone).
 file(GLOB_RECURSE llmpar_public_headers CONFIGURE_DEPENDS
   RELATIVE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/include/llmpar/*.hpp)
 list(SORT llmpar_public_headers)
@@ -26,7 +27,12 @@ list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/nccl_comm\\.hpp$")
 if(LLMPAR_NCCL)
   list(APPEND llmpar_cuda_headers llmpar/comm/nccl_comm.hpp)
 endif()
-# The kernel templates (kernels/*.cuh, included as llmpar/kernels/<name>.cuh) are nvcc's.
+# The device code (backend/cuda/*.cuh, and the kernel templates kernels/*.cuh, included
+# as llmpar/kernels/<name>.cuh) is nvcc's.
+set(llmpar_cuda_cxx_headers ${llmpar_cuda_headers})
+file(GLOB llmpar_backend_device_headers CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/include
+  ${PROJECT_SOURCE_DIR}/include/llmpar/backend/cuda/*.cuh)
+list(APPEND llmpar_cuda_headers ${llmpar_backend_device_headers})
 file(GLOB llmpar_kernel_headers CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/kernels ${PROJECT_SOURCE_DIR}/kernels/*.cuh)
 list(SORT llmpar_kernel_headers)
 list(TRANSFORM llmpar_kernel_headers PREPEND "llmpar/kernels/")
@@ -64,10 +70,8 @@ target_compile_options(header_check PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O0>)
 
 if(LLMPAR_CUDA AND llmpar_cuda_headers)
   llmpar_header_sources(header_check_cuda_sources cu ${llmpar_cuda_headers})
-  if(LLMPAR_NCCL)
-    llmpar_header_sources(header_check_nccl_sources cpp llmpar/comm/nccl_comm.hpp)
-    list(APPEND header_check_cuda_sources ${header_check_nccl_sources})
-  endif()
+  llmpar_header_sources(header_check_cuda_cxx_sources cpp ${llmpar_cuda_cxx_headers})
+  list(APPEND header_check_cuda_sources ${header_check_cuda_cxx_sources})
   add_library(header_check_cuda OBJECT ${header_check_cuda_sources})
   target_link_libraries(header_check_cuda PRIVATE llmpar::cuda llmpar_build_options)
 endif()

@@ -36,11 +36,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/backend/cpu/gemm.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/plan/cost.hpp"
 #include "subprocess.hpp"
-#include "train_gpt.hpp"
+#include "train_gpt_options.hpp"
 
 using namespace llmpar;
 using train_gpt::Options;

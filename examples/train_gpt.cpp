@@ -30,7 +30,7 @@ using train_gpt::Options;
 
 #if defined(LLMPAR_TRAIN_GPT_CUDA)
 namespace train_gpt {
-// train_gpt_cuda.cu: one rank's run on backend::Cuda, with this rank's GPU.
+// train_gpt_cuda.cpp: one rank's run on backend::Cuda, with this rank's GPU.
 int run_cuda(const Options& o, comm::Comm& world);
 // The CUDA devices this process sees (0 without a driver or device).
 int cuda_device_count();

@@ -19,6 +19,7 @@
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/data/shard.hpp"
 #include "llmpar/data/tokenizer.hpp"
+#include "temp_dir.hpp"
 
 using namespace llmpar;
 using namespace llmpar::data;
@@ -27,18 +28,8 @@ namespace fs = std::filesystem;
 namespace {
 
 // A fresh directory under the system temp dir, removed with everything in it.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "llmpar_test_data_XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path / name; }
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("data") {}
 };
 
 void write_bytes(const fs::path& p, const void* data, std::size_t n) {

@@ -15,6 +15,7 @@
 #include "docs_corpus.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
+#include "temp_dir.hpp"
 
 using namespace llmpar;
 using namespace llmpar::docs;
@@ -25,18 +26,8 @@ namespace fs = std::filesystem;
 namespace {
 
 // A fresh directory under the system temp dir, removed with everything in it.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "llmpar_test_docs_XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path / name; }
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("docs") {}
 };
 
 void write_text(const fs::path& p, const std::string& s) {

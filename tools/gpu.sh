@@ -7,12 +7,11 @@
 #                          first), prints one summary table
 #
 # Why a pack: a GPU is lent for 15 minutes at a time, start-up included, and a build of
-# the CUDA programs takes minutes of a 2-core machine's time (train_gpt_cuda.cu alone
-# about 3). So the programs are built on the CPU machine, for the GPU's architecture
-# (sm_90a, H100/H200) and a host ISA every x86-64 server runs (x86-64-v3, not
-# -march=native), stripped, and packed with the libraries the GPU image may lack
-# (oneDNN, the OpenCL loader, Google Benchmark, libgomp, the C++ runtime) and the token
-# shards the training runs read. The CUDA runtime and cuBLASLt are not packed (cuBLASLt
+# the CUDA programs takes minutes of a 2-core machine's time. So the programs are built
+# on the CPU machine, for the GPU's architecture (sm_90a, H100/H200) and a host ISA
+# every x86-64 server runs (x86-64-v3, not -march=native), stripped, and packed with the
+# libraries the GPU image may lack (oneDNN, the OpenCL loader, Google Benchmark, libgomp,
+# the C++ runtime) and the token shards the training runs read. The CUDA runtime and cuBLASLt are not packed (cuBLASLt
 # alone is 500 MB): the check finds them on the GPU machine, in the CUDA toolkit or in
 # PyTorch's wheel folder (nvidia/cu13/lib).
 #
@@ -56,7 +55,9 @@ gpu_cmake_args() {
 gpu_targets() {
   local source
   echo train_gpt prepare_data bench_cuda_kernels
-  for source in "$root"/tests/cuda/test_*.cu; do basename "$source" .cu; done
+  for source in "$root"/tests/cuda/test_*.cu "$root"/tests/cuda/test_*.cpp; do
+    if [[ -f "$source" ]]; then basename "${source%.*}"; fi
+  done
 }
 
 # gpu_build DIR ARCH: configures and builds the GPU targets in DIR (Ninja).

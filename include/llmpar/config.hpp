@@ -14,8 +14,11 @@
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
+// A function on an error path: optimised for size, never inlined into its callers.
+#define LLMPAR_COLD __attribute__((cold, noinline))
 #define LLMPAR_RESTRICT __restrict__
 #else
+#define LLMPAR_COLD
 #define LLMPAR_RESTRICT
 #endif
 

@@ -1,9 +1,10 @@
 // llmpar/llmpar.hpp — the umbrella header: everything a trainer needs.
 //
 // A translation unit compiled by the C++ compiler gets backend::Cpu; one compiled by
-// nvcc gets backend::Cuda instead (backend/backend.hpp says why not both). A trainer
-// that offers both compiles its backend-neutral code twice, once in each, and links
-// them (examples/train_gpt does).
+// nvcc gets backend::Cuda with its device code instead (backend/backend.hpp says why
+// not both). A C++ translation unit that also includes llmpar/backend/cuda/backend.hpp
+// gets backend::Cuda as well, its device code compiled once elsewhere in the program
+// (backend/cuda/ops.cuh): examples/train_gpt trains on both that way.
 #pragma once
 
 #if defined(__CUDACC__)

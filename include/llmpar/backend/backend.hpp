@@ -6,11 +6,13 @@
 // kernels, cuBLASLt GEMMs). Models and layers are templates over the tag and call its
 // static operations with the tag's Context, so one model source serves both.
 //
-// The two are defined in separate headers on purpose: a translation unit compiled by
-// nvcc gets backend::Cuda and one compiled by the C++ compiler gets backend::Cpu (nvcc
-// 13's front end cannot parse oneDNN's C++ header in C++20 mode), and a program that
-// uses both links the two translation units. Here they are only declared, so a model
-// header can name backend::Cpu as its default without pulling in either.
+// The two are defined in separate headers. backend::Cpu needs oneDNN's C++ header, which
+// nvcc 13's front end cannot parse in C++20 mode, so a translation unit that nvcc
+// compiles uses backend::Cuda alone. A plain C++ translation unit may use either or
+// both: backend/cuda/backend.hpp declares the operations whose device code the host
+// compiler cannot build, and the program compiles those once, in .cu files of its own
+// (backend/cuda/ops.cuh). Here the tags are only declared, so a model header can name
+// backend::Cpu as its default without pulling in either.
 #pragma once
 
 #include <concepts>

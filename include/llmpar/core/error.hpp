@@ -6,9 +6,12 @@
 // of 12"). Examples catch it in main and exit non-zero with what() printed.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "llmpar/config.hpp"
@@ -29,19 +32,65 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
-template <class... Args>
-std::string concat(Args&&... args) {
+// A piece of a message appended as an ostream would print it, but without one where the
+// type allows (text, characters, integers; floating point goes through one shared
+// stream function): every message shape instantiates concat, so it stays small.
+LLMPAR_COLD inline void append_floating(std::string& out, double v) {
   std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+  os << v;
+  out += os.str();
 }
 
+template <class Int>
+void append_integer(std::string& out, Int v) {
+  char digits[24];
+  const auto end = std::to_chars(digits, digits + sizeof digits, v).ptr;
+  out.append(digits, end);
+}
+
+template <class T>
+void append(std::string& out, const T& v) {
+  if constexpr (std::is_convertible_v<const T&, const char*>) {
+    if (const char* text = v; text != nullptr) out += text;
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    out += std::string_view(v);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    out += v ? '1' : '0';
+  } else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char> || std::is_same_v<T, unsigned char>) {
+    out += static_cast<char>(v);
+  } else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    append_integer(out, static_cast<long long>(v));
+  } else if constexpr (std::is_integral_v<T>) {
+    append_integer(out, static_cast<unsigned long long>(v));
+  } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    append_floating(out, v);
+  } else {
+    std::ostringstream os;
+    os << v;
+    out += os.str();
+  }
+}
+
+// The message `os << args...` would print.
 template <class... Args>
-[[noreturn]] void throw_error(const char* file, int line, const char* expr, Args&&... args) {
-  std::string where = concat(file, ":", line, ": ");
-  std::string what = concat(std::forward<Args>(args)...);
-  if (expr != nullptr) what += concat(" [check failed: ", expr, "]");
-  throw Error(where + what, file, line);
+std::string concat(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
+// The throw itself, out of line: one copy per program rather than one per message.
+[[noreturn]] LLMPAR_COLD inline void raise_error(const char* file, int line, const char* expr, std::string what) {
+  std::string message = concat(file, ":", line, ": ", what);
+  if (expr != nullptr) message += concat(" [check failed: ", expr, "]");
+  throw Error(std::move(message), file, line);
+}
+
+// One instantiation per distinct message shape; cold, so the compiler keeps it small and
+// out of the checked function's hot path.
+template <class... Args>
+[[noreturn]] LLMPAR_COLD void throw_error(const char* file, int line, const char* expr, Args&&... args) {
+  raise_error(file, line, expr, concat(args...));
 }
 
 }  // namespace detail

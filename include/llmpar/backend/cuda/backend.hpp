@@ -1,10 +1,22 @@
 // llmpar/backend/cuda/backend.hpp — backend::Cuda: device memory, llmpar's CUDA kernels,
-// cuBLASLt GEMMs. Include it from a translation unit that nvcc compiles.
+// cuBLASLt GEMMs.
 //
 // The tag's static operations are those of backend::Cpu (backend/cpu/backend.hpp),
 // same names, same arguments, run by the kernel templates in kernels/ and by cuBLASLt
 // (backend/cuda/gemm.hpp), all queued on the context's compute stream. Nothing here
 // synchronises except download(), which hands host memory back to the caller.
+//
+// Two ways to compile it. This header declares the operations that run llmpar's kernels
+// and defines the rest (cuBLASLt, copies); their device code is backend/cuda/ops.cuh.
+//   - Header-only: a translation unit that nvcc compiles gets ops.cuh too (included at
+//     the end), and nothing else is needed.
+//   - Kernels once per program: a plain C++ translation unit (or nvcc's, with
+//     LLMPAR_CUDA_OPS_EXTERN defined) sees the declarations alone, and the program
+//     compiles the device code once, in one .cu per storage type that expands
+//     LLMPAR_CUDA_INSTANTIATE_OPS(T) (ops.cuh). This project's build does so (the
+//     llmpar_cuda_ops library): its trainers over backend::Cuda are ordinary C++ that
+//     the host compiler builds, and the kernels are compiled three times, not once per
+//     file that trains.
 //
 // cuda::Context is one rank's GPU: its DeviceContext (device, compute and communication
 // streams, memory pool), its cuBLASLt handle and plan cache, and one scratch buffer
@@ -22,7 +34,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -33,12 +45,8 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
-#include "llmpar/kernels/adamw.cuh"
-#include "llmpar/kernels/attention.cuh"
-#include "llmpar/kernels/cross_entropy.cuh"
-#include "llmpar/kernels/elementwise.cuh"
-#include "llmpar/kernels/layernorm.cuh"
 #include "llmpar/math/adamw.hpp"
+#include "llmpar/math/online_softmax.hpp"
 
 namespace llmpar::backend::cuda {
 
@@ -83,36 +91,18 @@ class AdamWKernel {
  public:
   using Slot = math::AdamWSlot<float, T>;
 
-  AdamWKernel(Context& ctx, const std::vector<Slot>& slots) : norm_sq_(1), found_inf_(1) {
-    std::vector<kernels::AdamWTensor<float, T>> tensors;
-    for (const Slot& s : slots)
-      tensors.push_back({.master = s.master,
-                         .param = s.param,
-                         .grad = s.grad,
-                         .m = s.m,
-                         .v = s.v,
-                         .n = s.n,
-                         .decay = s.decay,
-                         .lr_scale = s.lr_scale});
-    plan_.emplace(ctx.stream(), std::span<const kernels::AdamWTensor<float, T>>(tensors));
-  }
+  AdamWKernel(Context& ctx, const std::vector<Slot>& slots);
+  AdamWKernel(AdamWKernel&&) noexcept;
+  AdamWKernel& operator=(AdamWKernel&&) noexcept;
+  ~AdamWKernel();
 
   // norm: the global norm of the unscaled gradient; inv_loss_scale and max_norm as the
   // CPU kernel's grad_scale = inv_loss_scale x clip_factor(norm, max_norm).
-  void step(Context& ctx, const math::AdamWParams& hp, int step, double norm, float inv_loss_scale, float max_norm) {
-    // The kernel computes the norm as sqrt(norm_sq) x inv_loss_scale. A copy from
-    // pageable host memory has read its source when cudaMemcpyAsync returns (the driver
-    // stages it), so host_norm_sq_ may change afterwards without a wait.
-    const double scaled = norm / static_cast<double>(inv_loss_scale);
-    host_norm_sq_ = static_cast<float>(scaled * scaled);
-    LLMPAR_CHECK_CUDA(
-        cudaMemcpyAsync(norm_sq_.data(), &host_norm_sq_, sizeof(float), cudaMemcpyHostToDevice, ctx.stream()));
-    LLMPAR_CHECK_CUDA(cudaMemsetAsync(found_inf_.data(), 0, sizeof(int), ctx.stream()));
-    plan_->step(ctx.stream(), hp, step, norm_sq_.data(), inv_loss_scale, max_norm, found_inf_.data());
-  }
+  void step(Context& ctx, const math::AdamWParams& hp, int step, double norm, float inv_loss_scale, float max_norm);
 
  private:
-  std::optional<kernels::AdamWPlan<float, T>> plan_;
+  struct Plan;                             // the kernel's chunk table (kernels::AdamWPlan), with the device code
+  std::unique_ptr<Plan> plan_;             // never null
   Buffer<float, memory::Device> norm_sq_;  // (1)
   Buffer<int, memory::Device> found_inf_;  // (1)
   float host_norm_sq_ = 0.0f;
@@ -160,99 +150,59 @@ struct Cuda {
   }
   template <class T>
   static void layernorm_forward(Context& ctx, T* out, float* mean, float* rstd, const T* x, const T* weight,
-                                const T* bias, std::int64_t rows, std::int64_t C, float eps) {
-    kernels::layernorm_forward(ctx.stream(), out, mean, rstd, x, weight, bias, rows, C, eps);
-  }
+                                const T* bias, std::int64_t rows, std::int64_t C, float eps);
   template <class T>
   static void layernorm_backward(Context& ctx, T* dx, float* dweight, float* dbias, const T* dout, const T* x,
                                  const T* weight, const float* mean, const float* rstd, std::int64_t rows,
-                                 std::int64_t C) {
-    float* workspace = ctx.scratch_floats(kernels::layernorm_backward_workspace(rows, C));
-    kernels::layernorm_backward(ctx.stream(), dx, dweight, dbias, dout, x, weight, mean, rstd, workspace, rows, C);
-  }
+                                 std::int64_t C);
   // out (rows, C) = x * rstd * weight (RMSNorm, no mean, no bias); rstd saved for backward.
   template <class T>
   static void rmsnorm_forward(Context& ctx, T* out, float* rstd, const T* x, const T* weight, std::int64_t rows,
-                              std::int64_t C, float eps) {
-    kernels::rmsnorm_forward(ctx.stream(), out, rstd, x, weight, rows, C, eps);
-  }
+                              std::int64_t C, float eps);
   template <class T>
   static void rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* x, const T* weight,
-                               const float* rstd, std::int64_t rows, std::int64_t C) {
-    float* workspace = ctx.scratch_floats(kernels::rmsnorm_backward_workspace(rows, C));
-    kernels::rmsnorm_backward(ctx.stream(), dx, dweight, dout, x, weight, rstd, workspace, rows, C);
-  }
+                               const float* rstd, std::int64_t rows, std::int64_t C);
   template <class T>
   static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                                std::int64_t C, std::int64_t NH) {
-    kernels::attention_forward(ctx.stream(), out, lse, qkv, B, T_len, C, NH);
-  }
+                                std::int64_t C, std::int64_t NH);
   template <class T>
   static void attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-    float* workspace = ctx.scratch_floats(kernels::attention_backward_workspace(B, T_len, C, NH));
-    kernels::attention_backward(ctx.stream(), dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
-  }
+                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH);
   template <class T>
-  static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n) {
-    kernels::gelu_forward(ctx.stream(), out, x, n);
-  }
+  static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n);
   template <class T>
-  static void gelu_backward(Context& ctx, T* dx, const T* x, const T* dout, std::int64_t n) {
-    kernels::gelu_backward(ctx.stream(), dx, x, dout, n);
-  }
+  static void gelu_backward(Context& ctx, T* dx, const T* x, const T* dout, std::int64_t n);
   template <class T>
-  static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n) {
-    kernels::add_inplace(ctx.stream(), a, b, n);
-  }
+  static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n);
   // a (n) *= s.
   template <class T>
-  static void scale_inplace(Context& ctx, T* a, float s, std::int64_t n) {
-    kernels::scale_inplace(ctx.stream(), a, s, n);
-  }
+  static void scale_inplace(Context& ctx, T* a, float s, std::int64_t n);
   template <class T>
-  static void bias_backward(Context& ctx, float* dbias, const T* dout, std::int64_t rows, std::int64_t n) {
-    float* workspace = ctx.scratch_floats(kernels::bias_backward_workspace(rows, n));
-    kernels::bias_backward(ctx.stream(), dbias, dout, workspace, rows, n);
-  }
+  static void bias_backward(Context& ctx, float* dbias, const T* dout, std::int64_t rows, std::int64_t n);
   // wte holds the rows `slice` of the token table (default: all); wpe may be null.
   template <class T>
   static void encoder_forward(Context& ctx, T* out, const std::int32_t* tokens, const T* wte, const T* wpe,
-                              std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
-    kernels::encoder_forward(ctx.stream(), out, tokens, wte, wpe, B, T_len, C, slice);
-  }
+                              std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {});
   template <class T>
   static void encoder_backward(Context& ctx, float* dwte, float* dwpe, const T* dout, const std::int32_t* tokens,
-                               std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {}) {
-    void* workspace = ctx.scratch(static_cast<std::size_t>(kernels::encoder_backward_workspace_bytes(B, T_len)));
-    kernels::encoder_backward(ctx.stream(), dwte, dwpe, dout, tokens, workspace, B, T_len, C, slice);
-  }
+                               std::int64_t B, std::int64_t T_len, std::int64_t C, RowSlice slice = {});
   template <class T>
   static void cross_entropy_forward_backward(Context& ctx, T* logits, float* losses, const std::int32_t* targets,
-                                             std::int64_t rows, std::int64_t V, std::int64_t Vp, float dloss) {
-    kernels::cross_entropy_forward_backward(ctx.stream(), logits, losses, targets, rows, V, Vp, dloss);
-  }
+                                             std::int64_t rows, std::int64_t V, std::int64_t Vp, float dloss);
   template <class T>
   static void cross_entropy_forward(Context& ctx, float* losses, const T* logits, const std::int32_t* targets,
-                                    std::int64_t rows, std::int64_t V, std::int64_t Vp) {
-    kernels::cross_entropy_forward(ctx.stream(), losses, logits, targets, rows, V, Vp);
-  }
+                                    std::int64_t rows, std::int64_t V, std::int64_t Vp);
   // The vocabulary-parallel loss (kernels/cross_entropy.cuh), the CPU's arguments.
-  static constexpr int kVocabStats = kernels::detail::xent::kVocabStats;  // values per row of the stats
+  static constexpr int kVocabStats = math::kVocabStats;  // values per row of the stats
   template <class T>
   static void vocab_parallel_cross_entropy_stats(Context& ctx, float* stats, const T* logits,
                                                  const std::int32_t* targets, std::int64_t rows, std::int64_t V,
-                                                 std::int64_t v0, std::int64_t Vlocal) {
-    kernels::vocab_parallel_cross_entropy_stats(ctx.stream(), stats, logits, targets, rows, V, v0, Vlocal);
-  }
+                                                 std::int64_t v0, std::int64_t Vlocal);
   template <class T>
   static void vocab_parallel_cross_entropy_finish(Context& ctx, T* dlogits, float* losses, const T* logits,
                                                   const float* gathered, int ranks, const std::int32_t* targets,
                                                   std::int64_t rows, std::int64_t V, std::int64_t v0,
-                                                  std::int64_t Vlocal, float dloss) {
-    kernels::vocab_parallel_cross_entropy_finish(ctx.stream(), dlogits, losses, logits, gathered, ranks, targets, rows,
-                                                 V, v0, Vlocal, dloss);
-  }
+                                                  std::int64_t Vlocal, float dloss);
 
   // Transfers between host memory and device memory, in the compute stream's order.
   // upload() may return before the copy lands, but the host data is already read
@@ -285,15 +235,16 @@ struct Cuda {
   }
   // dst (n) = src (n) converted (float, bf16, f16), in device memory.
   template <class To, class From>
-  static void convert(Context& ctx, To* dst, const From* src, std::int64_t n) {
-    if (n > 0) kernels::convert(ctx.stream(), dst, src, n);
-  }
+  static void convert(Context& ctx, To* dst, const From* src, std::int64_t n);
   static void synchronize(Context& ctx) { ctx.synchronize(); }
-  // Σ x² of n device floats, on the host (waits for the stream).
-  static double sum_of_squares(Context& ctx, const float* x, std::int64_t n) {
-    auto* workspace = static_cast<double*>(ctx.scratch(sizeof(double) * kernels::kSumOfSquaresWorkspace));
-    return kernels::sum_of_squares(ctx.stream(), x, n, workspace);
-  }
+  // Σ x² of n device floats (G = float: the main gradients), on the host (waits for the
+  // stream).
+  template <class G>
+  static double sum_of_squares(Context& ctx, const G* x, std::int64_t n);
 };
 
 }  // namespace llmpar::backend
+
+#if defined(__CUDACC__) && !defined(LLMPAR_CUDA_OPS_EXTERN)
+#include "llmpar/backend/cuda/ops.cuh"
+#endif

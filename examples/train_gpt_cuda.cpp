@@ -1,5 +1,5 @@
-// train_gpt_cuda.cu — train_gpt's run on backend::Cuda (compiled by nvcc; linked into
-// train_gpt in CUDA builds). Each rank trains on the GPU its NCCL communicator chose.
+// train_gpt_cuda.cpp — train_gpt's run on backend::Cuda (CUDA builds; plain C++, the kernels
+// come from the build's llmpar_cuda_ops). Each rank trains on the GPU its NCCL communicator chose.
 #include <cuda_runtime.h>
 
 #include <cstdio>
