@@ -66,16 +66,6 @@ double timed(Body&& body) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The GEMM shapes of a GPT-2 step at `rows` rows: the peak measurement includes them.
-std::vector<backend::cpu::GemmShape> step_shapes(const models::GPT2Config& cfg, std::int64_t rows) {
-  std::vector<backend::cpu::GemmShape> shapes;
-  const std::int64_t C = cfg.dim;
-  for (const auto& [in, out] :
-       {std::pair{C, 3 * C}, std::pair{C, C}, std::pair{C, 4 * C}, std::pair{4 * C, C}, std::pair{C, cfg.padded_vocab}})
-    for (const auto& s : backend::cpu::linear_layer_shapes(rows, in, out)) shapes.push_back(s);
-  return shapes;
-}
-
 template <class T>
 void register_precision(const char* precision, double peak_gflops) {
   // The whole step (zero grads, forward, backward, clip and AdamW), and the same without
@@ -194,7 +184,8 @@ void register_tensor_parallel(double peak_gflops) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   // The peaks of both precisions over the 124M step's own shapes (B=4, T=64: 256 rows).
-  const std::vector<backend::cpu::GemmShape> shapes = step_shapes(models::GPT2Config::preset("gpt2-124m"), 256);
+  const std::vector<backend::cpu::GemmShape> shapes =
+      backend::cpu::step_gemm_shapes(256, models::GPT2Config::preset("gpt2-124m").linear_sizes());
   double peak_f32 = 0.0, peak_bf16 = 0.0;
   {
     backend::cpu::Context ctx;

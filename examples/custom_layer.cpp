@@ -47,7 +47,8 @@ struct Options {
 
 // One rank's run.
 int run(const Options& o, comm::Comm& world) {
-  using Policy = train::PolicyOf<custom_layer::LlamaModel<float>>;
+  // fp32 on the CPU; every other dimension of the layout is a value (`layout` below).
+  using Policy = Compose<backend::Cpu, precision::FP32>;
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
@@ -69,7 +70,6 @@ int run(const Options& o, comm::Comm& world) {
   layout.micro_batch = o.batch;
   layout.fit_world(world.size()).validate();
   comm::Grid grid(world, {.tp = layout.tp});
-  const nn::TensorParallelGroup tp(&grid.tp(), layout.sp);
   data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(o.seq)};
   lc.rank = grid.dp().rank();
   lc.world = grid.dp().size();
@@ -79,7 +79,7 @@ int run(const Options& o, comm::Comm& world) {
   data::DataLoader train_loader(train_set, train_lc);
   data::DataLoader val_loader(val_set, lc);
 
-  custom_layer::LlamaModel<float> model(cfg, o.seed, tp);
+  custom_layer::LlamaModel<Policy> model(cfg, o.seed, grid, layout);
   say("model: LLaMA-style, L=%lld NH=%lld C=%lld H=%lld T=%lld V=%lld, %.2fM parameters\n",
       static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
       static_cast<long long>(cfg.hidden), static_cast<long long>(cfg.max_seq), static_cast<long long>(cfg.vocab),
@@ -95,8 +95,8 @@ int run(const Options& o, comm::Comm& world) {
       .peak_lr = o.lr, .warmup_steps = std::min(o.warmup, o.steps), .total_steps = o.steps};
   // The grid's groups: the dp reduction, and the global norm over every rank (the
   // split parameters' squares summed over the tp ranks).
-  train::Trainer<custom_layer::LlamaModel<float>> trainer(
-      ctx, model, opt, schedule, train_loader, {.steps = o.steps, .layout = layout}, parallel::Groups::of(grid));
+  train::Trainer<decltype(model)> trainer(ctx, model, opt, schedule, train_loader, {.steps = o.steps, .layout = layout},
+                                          grid);
   double first = 0.0, last = 0.0;
   trainer.fit([&](const train::StepStats& s) {
     if (s.step == 1) first = s.loss;

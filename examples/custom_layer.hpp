@@ -432,7 +432,8 @@ struct LlamaSpec {
 
 // Token embedding, L LlamaBlocks, a final RMSNorm and an LM head tied to the embedding:
 // train::Trainer, optim::AdamW and train::sample take it as they take models::GPT2.
-template <class T, class Backend = backend::Cpu>
-using LlamaModel = models::Transformer<T, Backend, LlamaSpec>;
+// LlamaModel<float>, or LlamaModel<Policy> (a composed policy names T and the backend).
+template <class TypeOrPolicy, class Backend = backend::Cpu>
+using LlamaModel = models::Transformer<TypeOrPolicy, Backend, LlamaSpec>;
 
 }  // namespace custom_layer

@@ -39,18 +39,21 @@ int cuda_device_count();
 
 namespace {
 
-// The CPU's GEMM peak in the run's precision, for MFU: every rank measures at the same
+// The CPU backend's start-up. In bf16, the GEMM path of each of the step's shapes is
+// chosen (measured by default: backend/cpu/gemm.hpp). Then, unless --peak-gflops gave it,
+// the CPU's GEMM peak in the run's precision, for MFU: every rank measures at the same
 // time on its own share of the cores (its OpenMP threads), over square products and the
-// model's own GEMM shapes (backend/cpu/peak.hpp says why that makes it an upper bound),
-// and the ranks add what they measured.
-train_gpt::Peak measure_peak(comm::Comm& world, backend::cpu::Context& ctx, DType dtype, const models::GPT2Config& cfg,
-                             std::int64_t rows, int tp) {
-  using backend::cpu::linear_layer_shapes;
-  std::vector<backend::cpu::GemmShape> shapes;
-  const std::int64_t C = cfg.dim;
-  for (const auto& [in, out] : {std::pair{C, 3 * C / tp}, std::pair{C / tp, C}, std::pair{C, 4 * C / tp},
-                                std::pair{4 * C / tp, C}, std::pair{C, cfg.padded_vocab / tp}})
-    for (const backend::cpu::GemmShape& s : linear_layer_shapes(rows, in, out)) shapes.push_back(s);
+// step's shapes (backend/cpu/peak.hpp says why that makes it an upper bound), and the
+// ranks add what they measured.
+train_gpt::Peak start_cpu(const Options& o, comm::Comm& world, backend::cpu::Context& ctx, DType dtype,
+                          const models::GPT2Config& cfg, std::int64_t rows, int tp) {
+  const std::vector<backend::cpu::GemmShape> shapes = backend::cpu::step_gemm_shapes(rows, cfg.linear_sizes(tp));
+  if (dtype == DType::bf16) {
+    const backend::cpu::Bf16Paths paths = backend::cpu::choose_bf16_paths(ctx, shapes);
+    if (world.rank() == 0)
+      std::printf("bf16 GEMMs (--cpu-bf16-gemm %s): %s\n", o.cpu_bf16_gemm.c_str(), paths.describe().c_str());
+  }
+  if (const auto given = train_gpt::given_peak(o)) return *given;
   world.barrier();
   backend::cpu::GemmPeak mine;
   switch (dtype) {
@@ -127,8 +130,10 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-mb", o.bucket_mb, "Gradient bucket size in MiB of f32 gradients")->capture_default_str();
   app.add_flag("!--no-overlap", o.overlap, "Reduce gradient buckets after backward instead of during it (measuring)");
   app.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--warmup", o.warmup, "Linear warmup steps, then cosine decay to --final-lr (default: min(20, steps))");
-  app.add_option("--final-lr", o.final_lr, "The last step's learning rate, as a fraction of --lr")->capture_default_str();
+  app.add_option("--warmup", o.warmup,
+                 "Linear warmup steps, then cosine decay to --final-lr (default: min(20, steps))");
+  app.add_option("--final-lr", o.final_lr, "The last step's learning rate, as a fraction of --lr")
+      ->capture_default_str();
   app.add_option("--beta1", o.beta1, "AdamW's first-moment decay")->capture_default_str();
   app.add_option("--beta2", o.beta2, "AdamW's second-moment decay")->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
@@ -151,6 +156,11 @@ int main(int argc, char** argv) {
   app.add_option("--peak-gflops", o.peak_gflops,
                  "MFU denominator (default: the CPU's GEMM peak in the run's precision, measured at start; the GPU's "
                  "data-sheet peak of the run's precision)");
+  app.add_option("--cpu-bf16-gemm", o.cpu_bf16_gemm,
+                 "CPU bf16 GEMMs: measured (time oneDNN's bf16 kernels against widening to f32 on each of the step's "
+                 "shapes at start, keep the faster), native or upconvert (pinned: bit-exact reruns)")
+      ->check(CLI::IsMember({"measured", "native", "upconvert"}))
+      ->capture_default_str();
   app.add_option("--backend", o.backend, "Where to train: cpu, or cuda (one GPU per rank; CUDA builds)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -221,10 +231,10 @@ int main(int argc, char** argv) {
         return;
       }
 #endif
-      backend::cpu::Context ctx;
+      backend::cpu::Context ctx({.bf16 = backend::cpu::bf16_gemm_of_flag(o.cpu_bf16_gemm)});
       const int rc = train_gpt::run_on<backend::Cpu>(
           o, world, ctx, [&](DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp) {
-            return measure_peak(world, ctx, dtype, cfg, rows, tp);
+            return start_cpu(o, world, ctx, dtype, cfg, rows, tp);
           });
       if (world.rank() == 0) status = rc;
     });

@@ -46,8 +46,15 @@ struct Peak {
   double gflops = 0.0;
   std::string source;
 };
-// How a backend finds its peak for a run in storage type `dtype` of model `cfg` at
-// `rows` rows per micro-batch, split over `tp` ranks; every rank calls it together.
+// The peak --peak-gflops gives, if it does.
+inline std::optional<Peak> given_peak(const Options& o) {
+  if (o.peak_gflops <= 0.0) return std::nullopt;
+  return Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"};
+}
+// A backend's start-up for a run in storage type `dtype` of model `cfg` at `rows` rows
+// per micro-batch, split over `tp` ranks (the CPU chooses its bf16 GEMM paths on the
+// step's shapes), and its peak: --peak-gflops, or measured, or the data sheet's. Every
+// rank calls it together, before the first step.
 using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp)>;
 
 // One rank's training run at `layout` (validated: layout_of) under the composed policy
@@ -86,7 +93,6 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
   comm::Grid grid(world, {.tp = layout.tp, .pp = layout.pp});
-  const nn::TensorParallelGroup tp(&grid.tp(), layout.sp);
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
@@ -100,11 +106,9 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   data::DataLoader train_loader(*train_set, train_lc);
   data::DataLoader val_loader(*val_set, val_lc);
 
-  const pipeline::Placement placement{.stages = layout.pp,
-                                      .chunks = layout.virtual_stages,
-                                      .rank = grid.coords().pp,
-                                      .partition = models::partition_of(cfg, layout)};
-  models::GPT2<T, B> model(cfg, o.seed, tp, placement);
+  // This rank's share of the model: its tp split (and sp) and its pipeline chunks.
+  models::GPT2<Policy> model(cfg, o.seed, grid, layout);
+  const pipeline::Placement& placement = model.placement();
   // The checkpoint to resume from, or the weights to start from, read and checked now.
   std::optional<checkpoint::Checkpoint> resume;
   if (const auto path = resume_path(o)) {
@@ -115,10 +119,8 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   }
   std::optional<checkpoint::Snapshot> initial;
   if (!o.init_from.empty()) initial.emplace(checkpoint::hf::read_gpt2(o.init_from, cfg));
-  // The peak in the run's precision (the CPU measures it now, on the model's shapes).
-  const Peak peak = o.peak_gflops > 0.0
-                        ? Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"}
-                        : find_peak(dtype_of<T>(), cfg, o.batch * seq, o.tp);
+  // The backend's start-up on the model's shapes, and the peak in the run's precision.
+  const Peak peak = find_peak(dtype_of<T>(), cfg, o.batch * seq, o.tp);
   char mup[96] = "";
   if (cfg.mup)
     std::snprintf(mup, sizeof mup, ", µP base width %lld (width multiplier %g)",
@@ -192,10 +194,9 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   const std::int64_t steps = std::max<std::int64_t>(o.steps, 1);  // --steps 0 converts and trains none
   const optim::CosineSchedule schedule{
       .peak_lr = o.lr, .warmup_steps = warmup, .total_steps = steps, .final_ratio = o.final_lr};
-  train::Trainer<models::GPT2<T, B>, Policy> trainer(
+  train::Trainer<decltype(model)> trainer(
       ctx, model, opt, schedule, train_loader,
-      {.steps = steps, .peak_gflops = peak.gflops, .layout = layout, .spike_guard = spike_config(o)},
-      parallel::Groups::of(grid));
+      {.steps = steps, .peak_gflops = peak.gflops, .layout = layout, .spike_guard = spike_config(o)}, grid);
   if (resume) {
     trainer.restore(resume->source(), resume->state());
     say("resume: step %lld from %s (saved at %s)\n", static_cast<long long>(trainer.steps_done()),

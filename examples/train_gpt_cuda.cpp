@@ -29,9 +29,10 @@ int run_cuda(const Options& o, comm::Comm& world) {
                " ranks; build with NCCL and MPI (LLMPAR_NCCL=ON) for several GPUs");
   backend::cuda::Context ctx(device, fp32);
 #endif
-  // The MFU denominator: the data sheet's dense peak of each GPU in the run's precision
+  // The MFU denominator: --peak-gflops, or the data sheet's dense peak of each GPU in the run's precision
   // (bf16/f16 tensor cores; TF32 or CUDA cores for fp32), times the GPUs.
   return run_on<backend::Cuda>(o, world, ctx, [&](DType dtype, const models::GPT2Config&, std::int64_t, int) {
+    if (const auto given = given_peak(o)) return *given;
     const double tflops = backend::cuda::datasheet_peak_tflops(device, dtype, fp32);
     char source[160];
     std::snprintf(source, sizeof source, "%.1f TFLOP/s: the data sheet's dense %s peak of %d GPU%s%s",

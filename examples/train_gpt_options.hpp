@@ -59,14 +59,15 @@ struct Options {
   double peak_gflops = 0.0;  // 0: measured (CPU) or the data sheet's (CUDA)
   std::string backend = "cpu";
   bool tf32 = false;
-  int tp = 1;                      // tensor-parallel degree; the other ranks replicate (data parallel)
-  bool sp = false;                 // sequence parallelism within the tp group
-  int pp = 1;                      // pipeline stages
-  std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved, zb
-  int virtual_stages = 1;          // chunks per pipeline rank
-  std::string partition = "even";  // even, parameters, or "3,3,2"
-  std::string recompute = "none";  // none, selective, full
-  std::string trace;               // Chrome trace JSON of one step's pipeline timeline
+  std::string cpu_bf16_gemm = "measured";  // measured, native, upconvert (backend/cpu/gemm.hpp)
+  int tp = 1;                              // tensor-parallel degree; the other ranks replicate (data parallel)
+  bool sp = false;                         // sequence parallelism within the tp group
+  int pp = 1;                              // pipeline stages
+  std::string schedule = "1f1b";           // gpipe, 1f1b, interleaved, zb
+  int virtual_stages = 1;                  // chunks per pipeline rank
+  std::string partition = "even";          // even, parameters, or "3,3,2"
+  std::string recompute = "none";          // none, selective, full
+  std::string trace;                       // Chrome trace JSON of one step's pipeline timeline
   // Checkpoints (checkpoint/checkpoint.hpp) and Hugging Face weights (checkpoint/hf_gpt2.hpp).
   std::string save;                                  // directory of step_N checkpoints and `latest`
   std::int64_t save_every = 0;                       // steps between checkpoints (0: only at the end)
@@ -267,6 +268,10 @@ inline void validate(const Options& o, int world_size) {
                "; sampling needs a positive temperature");
   LLMPAR_CHECK(samples == 0 || !o.prompt.empty(), "--prompt is empty; sampling needs at least one byte");
   LLMPAR_CHECK(o.peak_gflops >= 0.0, "--peak-gflops ", o.peak_gflops, "; give a positive peak, or leave it out");
+  LLMPAR_CHECK(o.cpu_bf16_gemm == "measured" || (o.backend == "cpu" && o.precision == "bf16"), "--cpu-bf16-gemm ",
+               o.cpu_bf16_gemm,
+               " chooses how the CPU backend runs bf16 GEMMs; use it with --backend cpu --precision "
+               "bf16, or leave it out");
   LLMPAR_CHECK(!o.tf32 || o.backend == "cuda",
                "--tf32 is a CUDA option (fp32 GEMMs on TF32 tensor cores); use it "
                "with --backend cuda");

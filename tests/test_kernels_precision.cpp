@@ -24,11 +24,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernel_test_util.hpp"
@@ -427,14 +430,89 @@ void check_gemms(cpu::Context& ctx, const char* path) {
 }  // namespace
 
 TEST_CASE("bf16 GEMMs with f32 accumulation, on oneDNN's native kernel and on the upconvert path") {
-  cpu::Context native(cpu::Context::Config{.bf16 = cpu::GemmPath::native});
-  cpu::Context upconvert(cpu::Context::Config{.bf16 = cpu::GemmPath::upconvert});
+  cpu::Context native(cpu::Context::Config{.bf16 = cpu::Bf16Gemm::native});
+  cpu::Context upconvert(cpu::Context::Config{.bf16 = cpu::Bf16Gemm::upconvert});
   check_gemms<bf16>(native, "native");
   check_gemms<bf16>(upconvert, "upconvert");
-  // The default follows the CPU: oneDNN's bf16 kernels only where it has AMX.
-  CHECK(cpu::Context().config().bf16 == (cpu::cpu_has_amx() ? cpu::GemmPath::native : cpu::GemmPath::upconvert));
   CHECK(upconvert.implementation<bf16, bf16>(8, 8, 8).rfind("upconvert to f32", 0) == 0);
   CHECK(upconvert.implementation<bf16, float>(8, 8, 8, {.accumulate = true}).rfind("upconvert to f32", 0) == 0);
+  // A pinned path is not measured.
+  CHECK_FALSE(native.measurement<bf16, bf16>(64, 96, 32).has_value());
+  CHECK_FALSE(upconvert.measurement<bf16, bf16>(64, 96, 32).has_value());
+}
+
+TEST_CASE("each bf16 GEMM shape takes the path measured faster, once per process, and runs it") {
+  cpu::Context measured, other;
+  cpu::Context native(cpu::Context::Config{.bf16 = cpu::Bf16Gemm::native});
+  cpu::Context upconvert(cpu::Context::Config{.bf16 = cpu::Bf16Gemm::upconvert});
+  CHECK(measured.config().bf16 == cpu::Bf16Gemm::measured);
+  check_gemms<bf16>(measured, "measured");  // correct on whichever path each shape took
+  // A step's three GEMMs of a linear layer (the weight gradient into f32 main grads).
+  for (const cpu::GemmShape& s : cpu::linear_layer_shapes(96, 160, 224)) {
+    CAPTURE(s.m);
+    CAPTURE(s.n);
+    CAPTURE(s.k);
+    const Input<bf16> a(s.m * s.k, "p.gemm.measured.a"), b(s.k * s.n, "p.gemm.measured.b");
+    const Input<bf16> c0(s.m * s.n, "p.gemm.measured.c0");
+    auto run = [&](cpu::Context& ctx) {
+      if (s.op.accumulate) {
+        std::vector<float> c = c0.f32;
+        ctx.gemm<bf16, float>(c.data(), a.low.data(), b.low.data(), nullptr, s.m, s.n, s.k, s.op);
+        return std::pair{c, ctx.measurement<bf16, float>(s.m, s.n, s.k, s.op)};
+      }
+      std::vector<bf16> c = c0.low;
+      ctx.gemm<bf16, bf16>(c.data(), a.low.data(), b.low.data(), nullptr, s.m, s.n, s.k, s.op);
+      return std::pair{widen(c), ctx.measurement<bf16, bf16>(s.m, s.n, s.k, s.op)};
+    };
+    const auto [got, how] = run(measured);
+    const auto [got_native, none_native] = run(native);
+    const auto [got_upconvert, none_upconvert] = run(upconvert);
+    const std::string native_impl = s.op.accumulate ? native.implementation<bf16, float>(s.m, s.n, s.k, s.op)
+                                                    : native.implementation<bf16, bf16>(s.m, s.n, s.k, s.op);
+    const std::string impl = s.op.accumulate ? measured.implementation<bf16, float>(s.m, s.n, s.k, s.op)
+                                             : measured.implementation<bf16, bf16>(s.m, s.n, s.k, s.op);
+    MESSAGE("measured bf16 GEMM ", s.m, "x", s.n, "x", s.k, ": ", impl);
+    if (native_impl.rfind("native", 0) != 0) {
+      // oneDNN has only its reference loop for bf16 here: upconvert, unmeasured.
+      CHECK_FALSE(how.has_value());
+      CHECK(impl.rfind("upconvert to f32", 0) == 0);
+      CHECK(bitwise_equal(got, got_upconvert));
+      continue;
+    }
+    REQUIRE(how.has_value());
+    CHECK(how->native_s > 0.0);
+    CHECK(how->upconvert_s > 0.0);
+    // Native only when it is clearly faster.
+    CHECK((how->path == cpu::GemmPath::native) == (how->native_s < cpu::kNativeMargin * how->upconvert_s));
+    CHECK(impl.rfind(how->path == cpu::GemmPath::native ? "native " : "upconvert to f32", 0) == 0);
+    CHECK(impl.find("(measured: ") != std::string::npos);
+    // The chosen path is the one that runs: bit for bit the pinned Context of that path.
+    CHECK(bitwise_equal(got, how->path == cpu::GemmPath::native ? got_native : got_upconvert));
+    // Another Context of the process takes the measured choice (the same times: not
+    // measured again), with a bias epilogue too.
+    const auto again = s.op.accumulate ? other.measurement<bf16, float>(s.m, s.n, s.k, s.op)
+                                       : other.measurement<bf16, bf16>(s.m, s.n, s.k, s.op, true);
+    REQUIRE(again.has_value());
+    CHECK(again->path == how->path);
+    CHECK(again->native_s == how->native_s);
+    CHECK(again->upconvert_s == how->upconvert_s);
+  }
+  // The start-up choice over a step's shapes counts every shape once.
+  const auto shapes = cpu::step_gemm_shapes(32, std::array{std::pair<std::int64_t, std::int64_t>{64, 192}});
+  const cpu::Bf16Paths paths = cpu::choose_bf16_paths(measured, shapes);
+  CHECK(paths.native + paths.upconvert == 3);
+  CHECK(paths.describe().find("of 3 shapes") != std::string::npos);
+  const cpu::Bf16Paths pinned = cpu::choose_bf16_paths(upconvert, shapes);
+  CHECK(pinned.upconvert == 3);
+  CHECK(pinned.measured == 0);
+  CHECK(pinned.describe() ==
+        "native on 0 of 3 shapes, upconvert on 3 (not measured: pinned, or oneDNN has no bf16 "
+        "kernel on this CPU)");
+  // The choice's names, and a wrong one named.
+  for (const cpu::Bf16Gemm g : {cpu::Bf16Gemm::measured, cpu::Bf16Gemm::native, cpu::Bf16Gemm::upconvert})
+    CHECK(cpu::bf16_gemm_of_flag(cpu::name_of(g)) == g);
+  CHECK_THROWS_WITH(cpu::bf16_gemm_of_flag("fast"),
+                    doctest::Contains("bf16 GEMM choice 'fast' is not one of measured, native, upconvert"));
 }
 
 TEST_CASE("f16 GEMMs are upconverted to f32 on the CPU, with f32 accumulation") {

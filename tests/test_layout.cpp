@@ -147,6 +147,59 @@ TEST_CASE("layout: a GPT-2's partition follows the layout's rule") {
   CHECK(cfg.num_parameters() == cfg.embedding_parameters() + cfg.layers * cfg.block_parameters() + 2 * cfg.dim);
 }
 
+// A model of a composed policy: its storage type and backend are the policy's, and the
+// Trainer runs that policy without naming it again.
+using Bf16Zero1 = Compose<precision::BF16Mixed, parallel::Data<zero::Stage<1>>>;
+static_assert(std::is_same_v<models::GPT2<Bf16Zero1>::value_type, bf16> &&
+              std::is_same_v<models::GPT2<Bf16Zero1>::BackendTag, backend::Cpu> &&
+              std::is_same_v<train::PolicyOf<models::GPT2<Bf16Zero1>>, Bf16Zero1> &&
+              std::is_same_v<train::PolicyOf<models::GPT2<bf16>>, Compose<precision::BF16Mixed>>);
+
+TEST_CASE("layout: a model built from the grid and the layout holds this rank's split and stage") {
+  using Policy = Compose<parallel::Pipeline<schedule::Configured>>;
+  const models::GPT2Config cfg{.layers = 6, .heads = 2, .dim = 16, .max_seq = 8, .vocab = 32, .padded_vocab = 32};
+  std::vector<std::string> seen(8);
+  std::vector<std::string> refused(8);
+  comm::run_threads(8, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    LayoutConfig layout = parallel::layout_of<Policy>();
+    layout.tp = 2;
+    layout.sp = true;
+    layout.pp = 2;
+    layout.virtual_stages = 3;
+    layout.schedule = "interleaved";
+    layout.fit_world(8).validate();
+    comm::Grid grid(world, {.tp = layout.tp, .pp = layout.pp});
+    models::GPT2<Policy> model(cfg, 1, grid, layout);
+    // The same model from values: the tp group and the placement written out.
+    models::GPT2<float> by_values(
+        cfg, 1, nn::TensorParallelGroup(&grid.tp(), true),
+        {.stages = 2, .chunks = 3, .rank = grid.coords().pp, .partition = models::partition_of(cfg, layout)});
+    const auto& pl = model.placement();
+    std::string s = std::to_string(model.tensor_parallel().size()) +
+                    (model.tensor_parallel().sequence_parallel() ? " sp" : "") + " stage " + std::to_string(pl.rank) +
+                    " of " + std::to_string(pl.stages) + " x " + std::to_string(pl.chunks) + " partition " +
+                    pl.partition.describe();
+    CHECK(model.parameter_store().flat_size() == by_values.parameter_store().flat_size());
+    for (std::int64_t i = 0; i < model.parameter_store().flat_size(); ++i)
+      REQUIRE(model.parameter_store().values()[i] == by_values.parameter_store().values()[i]);
+    // Without a layout: the grid's sizes, no sequence parallelism, an even partition.
+    const models::GPT2<Policy> from_grid(cfg, 1, grid);
+    s += from_grid.tensor_parallel().sequence_parallel() ? " / sp" : " / no sp";
+    s += " " + from_grid.placement().partition.describe();
+    seen[static_cast<std::size_t>(world.rank())] = s;
+    LayoutConfig other = layout;
+    other.tp = 1;
+    other.dp = 4;
+    refused[static_cast<std::size_t>(world.rank())] =
+        error_of([&] { const models::GPT2<Policy> wrong(cfg, 1, grid, other); });
+  });
+  // Ranks are tp-fastest: world rank r is tp r % 2, stage r / 4.
+  CHECK(seen[0] == "2 sp stage 0 of 2 x 3 partition 1,1,1,1,1,1 / no sp 3,3");
+  CHECK(seen[5] == "2 sp stage 1 of 2 x 3 partition 1,1,1,1,1,1 / no sp 3,3");
+  CHECK(refused[0].find("the layout is tp 1 x pp 2 but the grid's groups are tp 2 x pp 2") != std::string::npos);
+}
+
 // The models the trainer takes are nn::Models (a model missing a member is
 // tests/compile_fail/model_missing_token_table.cpp).
 static_assert(nn::Model<models::GPT2<float>> && nn::check_model<models::GPT2<bf16>>());

@@ -11,7 +11,8 @@
 #                 checked before the first step (a shard-trained model that cannot be
 #                 sampled as bytes, a warmup longer than the run, ...): no step runs
 #   mfu           the default run (shortened) with its measured MFU peak: the peak is the
-#                 run's precision's, and no step's MFU exceeds 100%, in fp32 and bf16
+#                 run's precision's, and no step's MFU exceeds 100%, in fp32 and bf16; the
+#                 bf16 run says which path each of the step's 15 GEMM shapes takes
 #   precision     gpt2-tiny for 150 steps in fp32, bf16 and fp16: the final validation
 #                 losses of bf16 and fp16 are within 2% of fp32's, and fp16's loss scale
 #                 is in the metrics
@@ -132,6 +133,9 @@ case "$case" in
     no_step "cannot derive validation shards from --data 'data/small*.bin'" "$bin/train_gpt" --data 'data/small*.bin'
     no_step "--seq 30 is not divisible by --tp 4" "$bin/train_gpt" --ranks 4 --tp 4 --sp --seq 30
     expect_error "--precision: fp8 not in {fp32,bf16,fp16}" "$bin/train_gpt" --precision fp8
+    expect_error "--cpu-bf16-gemm: fast not in {measured,native,upconvert}" "$bin/train_gpt" --cpu-bf16-gemm fast
+    no_step "--cpu-bf16-gemm native chooses how the CPU backend runs bf16 GEMMs; use it with --backend cpu" \
+      "$bin/train_gpt" --cpu-bf16-gemm native
     no_step "--global-batch 10 is not a multiple of --micro-batch 4 x dp 2 = 8" "$bin/train_gpt" --ranks 2 \
       --global-batch 10 --micro-batch 4
     no_step "--grad-accum 3 contradicts --global-batch 16 / (--micro-batch 8 x dp 1) = 2" "$bin/train_gpt" \
@@ -168,6 +172,10 @@ case "$case" in
       want=$([[ "$precision" == fp32 ]] && echo f32 || echo bf16)
       grep -q "^MFU peak: .* GFLOP/s: best $want GEMM of" "mfu_$precision.txt" ||
         fail "the $precision run's MFU peak is not a measured $want GEMM peak"
+      if [[ "$precision" == bf16 ]]; then
+        grep -Eq '^bf16 GEMMs \(--cpu-bf16-gemm measured\): native on [0-9]+ of 15 shapes' "mfu_$precision.txt" ||
+          fail "the bf16 run did not say which path each of the step's 15 GEMM shapes takes"
+      fi
       grep -o '"mfu":[^,}]*' "mfu_$precision.jsonl" | cut -d: -f2 | awk -v p="$precision" '
         { n++; if ($1 > max) max = $1; if ($1 <= 0) bad = 1 }
         END { printf "%s: %d steps, highest MFU %.1f%%\n", p, n, 100 * max; exit !(n == 30 && max <= 1.0 && !bad) }' ||

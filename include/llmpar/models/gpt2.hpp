@@ -16,12 +16,14 @@
 //    standard model bit for bit.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "llmpar/backend/backend.hpp"
@@ -32,7 +34,6 @@
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
-#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/partition.hpp"
 
 namespace llmpar::models {
@@ -80,6 +81,14 @@ struct GPT2Config {
                 "--vocab");
   }
 
+  // The (in, out) sizes of the linear layers one of `tp` tensor-parallel ranks holds:
+  // a block's qkv, attention projection, MLP up and down projections, and the tied head.
+  // A step's GEMM shapes are their forward, input- and weight-gradient products.
+  std::array<std::pair<std::int64_t, std::int64_t>, 5> linear_sizes(int tp = 1) const {
+    const std::int64_t C = dim;
+    return {{{C, 3 * C / tp}, {C / tp, C}, {C, 4 * C / tp}, {4 * C / tp, C}, {C, padded_vocab / tp}}};
+  }
+
   // The token table padded to a multiple of 128 rows.
   static std::int64_t pad_vocab(std::int64_t v) { return (v + 127) / 128 * 128; }
 
@@ -105,7 +114,9 @@ struct GPT2Config {
   // logits near zero, a saddle its attention leaves late and at a seed's whim: measured on
   // 103k parameters (3 layers x 48 channels, 2M bytes), 0.02 trained to 2.16 with four
   // seeds 6% apart, 0.1 to 1.91 with them 0.5% apart (docs/scaling.md).
-  static float small_init_std(std::int64_t dim) { return static_cast<float>(std::sqrt(0.4 / static_cast<double>(dim))); }
+  static float small_init_std(std::int64_t dim) {
+    return static_cast<float>(std::sqrt(0.4 / static_cast<double>(dim)));
+  }
 
   // µP's width multiplier dim / mup_base_dim (1 without µP).
   double width_mult() const { return mup ? static_cast<double>(dim) / static_cast<double>(mup_base_dim) : 1.0; }
@@ -124,14 +135,6 @@ struct GPT2Config {
   std::int64_t head_parameters() const { return padded_vocab * dim + 2 * dim; }  // ln_f, and the head tied to wte
   std::int64_t num_parameters() const { return embedding_parameters() + layers * block_parameters() + 2 * dim; }
 };
-
-// The layers of each of a layout's virtual pipeline stages for this model: its
-// --partition rule (even, balanced parameters, or explicit counts) over the model's
-// parameter counts, the embedding on the first stage and the head on the last.
-inline pipeline::Partition partition_of(const GPT2Config& cfg, const parallel::LayoutConfig& layout) {
-  return layout.partition_of(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), cfg.block_parameters()),
-                             cfg.embedding_parameters(), cfg.head_parameters());
-}
 
 // One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(·)).
 template <class T, class Backend = backend::Cpu>
@@ -400,8 +403,10 @@ struct GPT2Spec {
   }
 };
 
-// GPT-2: the Transformer of GPT2Blocks (models/transformer.hpp).
-template <class T, class Backend = backend::Cpu>
-using GPT2 = Transformer<T, Backend, GPT2Spec>;
+// GPT-2: the Transformer of GPT2Blocks (models/transformer.hpp). GPT2<float>,
+// GPT2<bf16, backend::Cuda>, or GPT2<Policy>: a composed policy names the storage type
+// and the backend, and the Trainer runs that policy.
+template <class TypeOrPolicy, class Backend = backend::Cpu>
+using GPT2 = Transformer<TypeOrPolicy, Backend, GPT2Spec>;
 
 }  // namespace llmpar::models

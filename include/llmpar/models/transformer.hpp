@@ -68,9 +68,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "llmpar/backend/backend.hpp"
+#include "llmpar/comm/grid.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
@@ -80,6 +82,7 @@
 #include "llmpar/nn/units.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
 #include "llmpar/parallel/compose.hpp"
+#include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/partition.hpp"
 
 namespace llmpar::models {
@@ -134,11 +137,59 @@ struct DeferredOf<Block, true> {
   using type = typename Block::Deferred;
 };
 
+// A model's first template argument: its storage type (the backend is then the second),
+// or a composed policy, which names both (the storage type is its precision's Compute
+// type) and stays the model's Policy, the one the Trainer runs. So a trainer names its
+// policy once: models::GPT2<Policy> model(cfg, seed, grid, layout).
+template <class X, class BackendArg>
+struct ModelTypes {
+  using T = X;
+  using Backend = BackendArg;
+  using Policy = void;  // none: the Trainer takes the one T and the backend imply
+};
+template <ComposedPolicy P, class BackendArg>
+struct ModelTypes<P, BackendArg> {
+  static_assert(std::is_same_v<BackendArg, backend::Cpu> || std::is_same_v<BackendArg, typename P::backend>,
+                "llmpar::models: a model of a composed policy takes its backend from the policy; leave the second "
+                "argument out (models::GPT2<Policy>)");
+  using T = typename P::precision::Compute;
+  using Backend = typename P::backend;
+  using Policy = P;
+};
+
 }  // namespace detail
 
-template <class T, class Backend, class Spec>
+// The pipeline partition a layout names for a model of `cfg`: its --partition rule (even,
+// balanced parameters, or explicit counts) over the blocks, the embedding on the first
+// stage and the head on the last. "parameters" needs the counts from the Config
+// (block_parameters(), embedding_parameters(), head_parameters(): GPT2Config has them).
+template <class Config>
+pipeline::Partition partition_of(const Config& cfg, const parallel::LayoutConfig& layout) {
+  if constexpr (requires {
+                  cfg.block_parameters();
+                  cfg.embedding_parameters();
+                  cfg.head_parameters();
+                }) {
+    return layout.partition_of(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), cfg.block_parameters()),
+                               cfg.embedding_parameters(), cfg.head_parameters());
+  } else {
+    LLMPAR_CHECK(layout.partition != "parameters",
+                 "--partition parameters balances the stages' parameters, but this model's Config does not count "
+                 "them (block_parameters(), embedding_parameters(), head_parameters()); use --partition even, or "
+                 "explicit layer counts");
+    return layout.partition_of(std::vector<std::int64_t>(static_cast<std::size_t>(cfg.layers), 1), 0, 0);
+  }
+}
+
+template <class X, class BackendArg, class Spec>
 class Transformer {
+  using Types = detail::ModelTypes<X, BackendArg>;
+  using T = typename Types::T;
+  using Backend = typename Types::Backend;
+
  public:
+  // The composed policy the model was declared with (void when declared by storage type).
+  using Policy = typename Types::Policy;
   using Acc = typename Backend::template Acc<T>;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
@@ -223,6 +274,15 @@ class Transformer {
     // keep them at zero so they cannot perturb anything.
     if (table_) table_->zero_padding();
   }
+  // This rank's model of `grid`: split over grid.tp(), holding pipeline stage
+  // grid.coords().pp's layers of an even partition, no sequence parallelism.
+  Transformer(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid)
+      : Transformer(cfg, seed, grid, layout_of_grid(grid)) {}
+  // This rank's model of `grid` at `layout` (its tp and pp those of the grid): split
+  // over grid.tp() with the layout's sequence parallelism, holding pipeline stage
+  // grid.coords().pp's chunks of the layout's partition and virtual stages.
+  Transformer(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid, const parallel::LayoutConfig& layout)
+      : Transformer(cfg, seed, nn::TensorParallelGroup(&grid.tp(), layout.sp), placement_of(cfg, grid, layout)) {}
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
 
@@ -519,6 +579,23 @@ class Transformer {
   }
 
  private:
+  static parallel::LayoutConfig layout_of_grid(comm::Grid<comm::Comm>& grid) {
+    parallel::LayoutConfig l;
+    l.tp = grid.tp().size();
+    l.pp = grid.pp().size();
+    return l;
+  }
+  static pipeline::Placement placement_of(const Config& cfg, comm::Grid<comm::Comm>& grid,
+                                          const parallel::LayoutConfig& layout) {
+    LLMPAR_CHECK(layout.tp == grid.tp().size() && layout.pp == grid.pp().size(), "the layout is tp ", layout.tp,
+                 " x pp ", layout.pp, " but the grid's groups are tp ", grid.tp().size(), " x pp ", grid.pp().size(),
+                 "; build the Grid from the layout: comm::Grid(world, {.tp = layout.tp, .pp = layout.pp})");
+    return {.stages = layout.pp,
+            .chunks = layout.virtual_stages,
+            .rank = grid.coords().pp,
+            .partition = partition_of(cfg, layout)};
+  }
+
   enum class UnitKind : std::uint8_t { embedding, block, norm, head };
   struct Unit {
     UnitKind kind;

@@ -54,6 +54,7 @@
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/backend/cpu/convert.hpp"
 #include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/comm/grid.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/data/dataset.hpp"
@@ -114,10 +115,26 @@ struct PrecisionOf<f16> {
 };
 }  // namespace detail
 
-// The policy a model's own type implies: its backend and the precision of its storage
-// type (everything else default).
+namespace detail {
+// The model's type names a composed policy (models::GPT2<Policy>).
 template <class Model>
-using PolicyOf = Compose<typename Model::BackendTag, typename detail::PrecisionOf<typename Model::value_type>::type>;
+concept DeclaresPolicy = ComposedPolicy<typename Model::Policy>;
+
+template <class Model>
+struct PolicyOf {
+  using type = Compose<typename Model::BackendTag, typename PrecisionOf<typename Model::value_type>::type>;
+};
+template <DeclaresPolicy Model>
+struct PolicyOf<Model> {
+  using type = typename Model::Policy;
+};
+}  // namespace detail
+
+// The policy a model's own type names: the composed policy it was declared with
+// (models::GPT2<Policy>), or else its backend and the precision of its storage type
+// (everything else default).
+template <class Model>
+using PolicyOf = typename detail::PolicyOf<Model>::type;
 
 template <class Model, ComposedPolicy Policy = PolicyOf<Model>>
 class Trainer {
@@ -133,6 +150,9 @@ class Trainer {
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
   using Executor = pipeline::Executor<Model>;
   static_assert(nn::check_model<Model>());
+  static_assert(std::is_same_v<PolicyOf<Model>, Policy> || !detail::DeclaresPolicy<Model>,
+                "llmpar::train::Trainer: the model was declared with another composed policy; name the policy "
+                "once, in the model's type (train::Trainer<decltype(model)>)");
   static_assert(std::is_same_v<typename Policy::backend, Backend>,
                 "llmpar::train::Trainer: the policy's backend is not the model's; compose the policy with the "
                 "model's backend tag (Model::BackendTag)");
@@ -142,6 +162,10 @@ class Trainer {
                 "instantiate the model for Policy::precision::Compute (float for precision::FP32, bf16 for "
                 "precision::BF16Mixed, f16 for precision::FP16Mixed<...>)");
 
+  // The Grid's groups: every collective of the step runs over them.
+  Trainer(Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
+          data::DataLoader& train, const TrainerConfig& cfg, comm::Grid<comm::Comm>& grid)
+      : Trainer(ctx, model, opt, schedule, train, cfg, parallel::Groups::of(grid)) {}
   // `groups`: the Grid's groups (parallel::Groups::of(grid)); empty: this rank alone.
   Trainer(Context& ctx, Model& model, const optim::AdamWConfig& opt, const optim::CosineSchedule& schedule,
           data::DataLoader& train, const TrainerConfig& cfg, parallel::Groups groups = {})

@@ -14,29 +14,37 @@
 // f32, and every path below sums them in f32.
 //
 // Paths, chosen once per (types, shape, transposes, accumulate, bias) and cached:
-//   native     oneDNN's matmul in the storage types (f32: its sgemm; bf16: AMX tiles).
+//   native     oneDNN's matmul in the storage types (f32: its sgemm; bf16: its bf16
+//              kernels: AMX tiles, or AVX512-BF16 dot products).
 //   upconvert  A, B (and bias, and C when it is 16-bit) converted to f32 scratch, the f32
 //              matmul, C converted back: the same products (exact in f32) summed in f32.
-// Which one bf16 takes (Context::Config::bf16, default_bf16_path()):
-//  - native where the CPU has AMX: its tile multiply runs bf16 at several times f32's
-//    rate, far more than the conversions would cost;
-//  - upconvert everywhere else. Measured on a Sapphire Rapids without AMX (AVX512-BF16
-//    only; docs/cpu-gemm.md), oneDNN 2.6's bf16 kernels ran the GPT-2 124M step's GEMMs
-//    at 130-150 GFLOP/s against 150-250 for its f32 kernels, so even with three extra
-//    passes over memory the upconvert path was faster on 9 of its 10 shapes; on
-//    AVX2-only CPUs (AMD Zen 1/2) oneDNN has only a reference loop for bf16, hundreds
-//    of times slower. Being decided by the ISA, not by timing, the choice (and with it
-//    the summation order) is the same on every run.
+// Which one bf16 takes (Context::Config::bf16):
+//  - measured (the default): the first GEMM of a shape times both paths on scratch
+//    operands and keeps native only when it is at least kNativeMargin faster. Whether
+//    bf16 kernels pay is a fact of the CPU and of the oneDNN build that no ISA flag
+//    settles: with AMX they run several times f32's rate; on an Emerald Rapids without
+//    AMX (AVX512-BF16 only) oneDNN 2.6's bf16 kernels ran the GPT-2 124M step's GEMMs at
+//    130-150 GFLOP/s against 150-250 for its f32 kernels, so upconverting won on 9 of
+//    10 shapes (docs/cpu-gemm.md); on CPUs whose AVX512-BF16 dot product runs at twice
+//    the FMA rate (AMD Zen 5) native should win again. A close call stays on upconvert,
+//    so a shape does not flip between runs on noise. The measurements are kept per
+//    process (measured_paths()): every Context of a process, and so every rank of a
+//    threaded run, takes the same path for the same shape, and layouts stay bit-
+//    comparable. Separate processes (MPI ranks, a resumed run) measure for themselves;
+//    a run that must repeat another bit for bit in bf16 pins the path instead.
+//  - native or upconvert: pinned (tests, benchmarks, bit-exact reruns).
 //  - f16 always upconverts on the CPU: oneDNN 2.6 has no fast f16 CPU matmul, and some
 //    fp16-ISA kernels accumulate in f16, which would break the f32-accumulation contract.
-// A native bf16 primitive that oneDNN can only give as its reference loop falls back to
-// upconvert too. The path and oneDNN's implementation name of every cached primitive
-// can be read back (implementation()); the tests run both paths on the same machine.
+// A native bf16 primitive that oneDNN can only give as its reference loop (AVX2-only
+// CPUs: hundreds of times slower) is never taken: such shapes upconvert, unmeasured.
+// The path, oneDNN's implementation name and the measurement of every cached primitive
+// can be read back (implementation(), measurement()); the tests run both paths.
 //
 // Creating a oneDNN primitive costs far more than running a small one, so the Context
 // caches one primitive per key and only wraps the caller's pointers on each call. The
-// Context is passed explicitly — no process-wide state — so two models with different
-// configurations can live in one process.
+// Context is passed explicitly, so two models with different configurations can live in
+// one process; the only state shared across Contexts is the measured bf16 paths, a fact
+// of the machine (as oneDNN's own primitive cache is process-wide).
 //
 // double is supported through a plain reference loop: it exists for the finite-
 // difference tests of whole layers, never for training.
@@ -45,11 +53,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <map>
+#include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "llmpar/backend/cpu/common.hpp"
@@ -71,14 +85,67 @@ struct GemmOp {
 // How a 16-bit GEMM runs (see the file's note).
 enum class GemmPath : std::uint8_t { native, upconvert };
 
+// How a Context picks the bf16 path: by measuring each shape, or pinned to one path.
+enum class Bf16Gemm : std::uint8_t { measured, native, upconvert };
+
+// The names of Bf16Gemm's values, as train_gpt's --cpu-bf16-gemm takes them.
+inline const char* name_of(Bf16Gemm g) {
+  switch (g) {
+    case Bf16Gemm::native:
+      return "native";
+    case Bf16Gemm::upconvert:
+      return "upconvert";
+    default:
+      return "measured";
+  }
+}
+inline Bf16Gemm bf16_gemm_of_flag(std::string_view name) {
+  if (name == "measured") return Bf16Gemm::measured;
+  if (name == "native") return Bf16Gemm::native;
+  if (name == "upconvert") return Bf16Gemm::upconvert;
+  LLMPAR_FAIL("bf16 GEMM choice '", name, "' is not one of measured, native, upconvert");
+}
+
+// A measured bf16 shape keeps native only when native_s < kNativeMargin · upconvert_s.
+inline constexpr double kNativeMargin = 0.9;
+
+// One measured choice: the path taken and the best time of each path on the shape.
+struct GemmMeasurement {
+  GemmPath path = GemmPath::upconvert;
+  double native_s = 0.0;
+  double upconvert_s = 0.0;
+};
+
 // Whether oneDNN runs AMX (bf16 tile multiplies) on this CPU.
 inline bool cpu_has_amx() {
   constexpr unsigned kAmx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
   return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & kAmx) == kAmx;
 }
 
-// The bf16 path of this CPU: native with AMX, upconvert without (see the file's note).
-inline GemmPath default_bf16_path() { return cpu_has_amx() ? GemmPath::native : GemmPath::upconvert; }
+// One GEMM of a step: C(M,N) [+]= op(A)·op(B).
+struct GemmShape {
+  std::int64_t m = 0, n = 0, k = 0;
+  GemmOp op{};
+  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+};
+
+// The three GEMMs of a linear layer in (out, in) weight layout over `rows` rows:
+// forward Y = X·Wᵀ, input gradient dX = dY·W, weight gradient dW += dYᵀ·X.
+inline std::vector<GemmShape> linear_layer_shapes(std::int64_t rows, std::int64_t in, std::int64_t out) {
+  return {{rows, out, in, {.trans_a = false, .trans_b = true, .accumulate = false}},
+          {rows, in, out, {}},
+          {out, in, rows, {.trans_a = true, .trans_b = false, .accumulate = true}}};
+}
+
+// The GEMMs of a step at `rows` rows whose linear layers have these (in, out) sizes
+// (e.g. models::GPT2Config::linear_sizes()).
+inline std::vector<GemmShape> step_gemm_shapes(std::int64_t rows,
+                                               std::span<const std::pair<std::int64_t, std::int64_t>> linear_sizes) {
+  std::vector<GemmShape> shapes;
+  for (const auto& [in, out] : linear_sizes)
+    for (const GemmShape& s : linear_layer_shapes(rows, in, out)) shapes.push_back(s);
+  return shapes;
+}
 
 namespace detail {
 
@@ -95,6 +162,20 @@ constexpr dnnl::memory::data_type dnnl_type() {
   }
 }
 
+// m, n, k, trans_a, trans_b, accumulate, bias, operand DType, output DType.
+using GemmKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool, bool, bool, int, int>;
+
+// The bf16 paths measured in this process, by key without the bias (a bias epilogue
+// does not change which path is faster): shared by every Context (the file's note).
+struct MeasuredPaths {
+  std::mutex mutex;
+  std::map<GemmKey, GemmMeasurement> paths;
+};
+inline MeasuredPaths& measured_paths() {
+  static MeasuredPaths paths;
+  return paths;
+}
+
 }  // namespace detail
 
 // The CPU execution context: oneDNN engine and stream, the primitive cache, and the
@@ -102,9 +183,9 @@ constexpr dnnl::memory::data_type dnnl_type() {
 class Context {
  public:
   struct Config {
-    // bf16 GEMMs: on oneDNN's bf16 kernels (native) or on its f32 kernels after widening
-    // the operands (upconvert); by default, native where the CPU has AMX.
-    GemmPath bf16 = default_bf16_path();
+    // bf16 GEMMs: measured per shape (the file's note), or pinned to oneDNN's bf16
+    // kernels (native) or its f32 kernels after widening the operands (upconvert).
+    Bf16Gemm bf16 = Bf16Gemm::measured;
   };
 
   Context() : Context(Config{}) {}
@@ -120,43 +201,11 @@ class Context {
                   "llmpar: a GEMM writes its storage type or f32 (main grads)");
     LLMPAR_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm sizes must be >= 0, got M=", m, " N=", n, " K=", k);
     if (m == 0 || n == 0) return;
-    const Key key{m,
-                  n,
-                  k,
-                  op.trans_a,
-                  op.trans_b,
-                  op.accumulate,
-                  bias != nullptr,
-                  static_cast<int>(dtype_of<T>()),
-                  static_cast<int>(dtype_of<TC>())};
-    Entry& e = entry<T, TC>(key, op, bias != nullptr);
-    if (e.path == GemmPath::native) {
+    Entry& e = entry<T, TC>(key_of<T, TC>(m, n, k, op, bias != nullptr), op);
+    if (e.path == GemmPath::native)
       execute(e, const_cast<T*>(a), const_cast<T*>(b), const_cast<T*>(bias), c);
-      return;
-    }
-    // Upconvert: f32 copies of the operands, the f32 product, C converted back.
-    if constexpr (!std::is_same_v<T, float>) {
-      const std::int64_t mk = m * k, kn = k * n, mn = m * n;
-      scratch_.reserve(mk + kn + n + (std::is_same_v<TC, float> ? 0 : mn));
-      float* a32 = scratch_.data();
-      float* b32 = a32 + mk;
-      float* bias32 = b32 + kn;
-      convert(a32, a, mk);
-      convert(b32, b, kn);
-      if (bias) convert(bias32, bias, n);
-      float* c32 = nullptr;
-      if constexpr (std::is_same_v<TC, float>) {
-        c32 = c;
-      } else {
-        c32 = bias32 + n;
-        if (op.accumulate) convert(c32, c, mn);
-      }
-      Entry& f = entry<float, float>(Key{m, n, k, op.trans_a, op.trans_b, op.accumulate, bias != nullptr,
-                                         static_cast<int>(DType::f32), static_cast<int>(DType::f32)},
-                                     op, bias != nullptr);
-      execute(f, a32, b32, bias ? bias32 : nullptr, c32);
-      if constexpr (!std::is_same_v<TC, float>) convert(c, c32, mn);
-    }
+    else if constexpr (!std::is_same_v<T, float>)
+      upconvert(c, a, b, bias, m, n, k, op);
   }
 
   // The f32 product, kept under its old name for callers that only ever had it.
@@ -166,25 +215,37 @@ class Context {
   }
 
   // How a GEMM of these types and shape runs: "native <oneDNN implementation>" or
-  // "upconvert to f32 (<implementation of the f32 product>)". Creates the primitive if
-  // needed.
+  // "upconvert to f32 (<implementation of the f32 product>)", and for a measured bf16
+  // shape the two times, e.g. "native brg:avx512_core_amx (measured: 0.21 ms; upconvert
+  // 0.93 ms)". Creates the primitive (and measures) if needed.
   template <class T, class TC = T>
   std::string implementation(std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op = {}, bool bias = false) {
-    const Key key{m,
-                  n,
-                  k,
-                  op.trans_a,
-                  op.trans_b,
-                  op.accumulate,
-                  bias,
-                  static_cast<int>(dtype_of<T>()),
-                  static_cast<int>(dtype_of<TC>())};
-    const Entry& e = entry<T, TC>(key, op, bias);
-    if (e.path == GemmPath::native) return "native " + e.impl;
-    const Entry& f = entry<float, float>(Key{m, n, k, op.trans_a, op.trans_b, op.accumulate, bias,
-                                             static_cast<int>(DType::f32), static_cast<int>(DType::f32)},
-                                         op, bias);
-    return "upconvert to f32 (" + f.impl + ")";
+    const Entry& e = entry<T, TC>(key_of<T, TC>(m, n, k, op, bias), op);
+    std::string how;
+    if (e.path == GemmPath::native) {
+      how = "native " + e.impl;
+    } else {
+      const Entry& f = entry<float, float>(key_of<float, float>(m, n, k, op, bias), op);
+      how = "upconvert to f32 (" + f.impl + ")";
+    }
+    if (e.measurement) {
+      char times[96];
+      std::snprintf(times, sizeof times, " (measured: %.3g ms; %s %.3g ms)",
+                    1e3 * (e.path == GemmPath::native ? e.measurement->native_s : e.measurement->upconvert_s),
+                    e.path == GemmPath::native ? "upconvert" : "native",
+                    1e3 * (e.path == GemmPath::native ? e.measurement->upconvert_s : e.measurement->native_s));
+      how += times;
+    }
+    return how;
+  }
+
+  // The measurement that chose this bf16 GEMM's path; none when the path was pinned,
+  // the types are not bf16, or oneDNN has no bf16 kernel for it. Creates the primitive
+  // (and measures) if needed.
+  template <class T, class TC = T>
+  std::optional<GemmMeasurement> measurement(std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op = {},
+                                             bool bias = false) {
+    return entry<T, TC>(key_of<T, TC>(m, n, k, op, bias), op).measurement;
   }
 
   std::size_t cached_primitives() const { return cache_.size(); }
@@ -193,33 +254,112 @@ class Context {
   std::size_t scratch_bytes() const { return scratch_.bytes(); }
 
  private:
-  // m, n, k, trans_a, trans_b, accumulate, bias, operand DType, output DType.
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool, bool, bool, int, int>;
+  using Key = detail::GemmKey;
   struct Entry {
     GemmPath path = GemmPath::native;
     std::string impl;  // oneDNN's implementation name (native only)
     dnnl::matmul primitive;
     dnnl::memory::desc a_md, b_md, c_md, bias_md;
+    std::optional<GemmMeasurement> measurement;  // measured bf16 shapes only
   };
 
   template <class T, class TC>
-  Entry& entry(const Key& key, GemmOp op, bool has_bias) {
+  static Key key_of(std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op, bool bias) {
+    return {m,
+            n,
+            k,
+            op.trans_a,
+            op.trans_b,
+            op.accumulate,
+            bias,
+            static_cast<int>(dtype_of<T>()),
+            static_cast<int>(dtype_of<TC>())};
+  }
+
+  template <class T, class TC>
+  Entry& entry(const Key& key, GemmOp op) {
     auto it = cache_.find(key);
     if (it != cache_.end()) return it->second;
     const std::int64_t m = std::get<0>(key), n = std::get<1>(key), k = std::get<2>(key);
+    const bool has_bias = std::get<6>(key);
     Entry e;
-    if constexpr (std::is_same_v<T, f16>) {
-      e.path = GemmPath::upconvert;
-    } else {
-      if (std::is_same_v<T, bf16> && cfg_.bf16 == GemmPath::upconvert) {
+    if constexpr (std::is_same_v<T, float>) {
+      LLMPAR_CHECK((create<T, TC>(e, m, n, k, op, has_bias)), "oneDNN has no f32 matmul for M=", m, " N=", n, " K=", k,
+                   " on this CPU; this oneDNN build is unusable here");
+    } else if constexpr (std::is_same_v<T, bf16>) {
+      if (cfg_.bf16 == Bf16Gemm::upconvert || !create<T, TC>(e, m, n, k, op, has_bias)) {
         e.path = GemmPath::upconvert;
-      } else if (!create<T, TC>(e, m, n, k, op, has_bias)) {
-        LLMPAR_CHECK((!std::is_same_v<T, float>), "oneDNN has no f32 matmul for M=", m, " N=", n, " K=", k,
-                     " on this CPU; this oneDNN build is unusable here");
-        e.path = GemmPath::upconvert;
+      } else if (cfg_.bf16 == Bf16Gemm::measured) {
+        e.measurement = measured<T, TC>(key, op);
+        e.path = e.measurement->path;
       }
+    } else {
+      e.path = GemmPath::upconvert;  // f16 (the file's note)
     }
     return cache_.emplace(key, std::move(e)).first->second;
+  }
+
+  // The process's measured path for a bf16 key (measured now if this is its first use
+  // in the process): the best of kRepeats alternating runs of each path, on scratch
+  // operands of small non-zero values, after one warm-up run of each.
+  template <class T, class TC>
+  GemmMeasurement measured(const Key& key, GemmOp op) {
+    static constexpr int kRepeats = 3;
+    Key shape = key;
+    std::get<6>(shape) = false;
+    detail::MeasuredPaths& memo = detail::measured_paths();
+    const std::lock_guard lock(memo.mutex);
+    if (auto it = memo.paths.find(shape); it != memo.paths.end()) return it->second;
+    const std::int64_t m = std::get<0>(key), n = std::get<1>(key), k = std::get<2>(key);
+    Entry native;
+    LLMPAR_CHECK((create<T, TC>(native, m, n, k, op, false)), "oneDNN gave a bf16 matmul for M=", m, " N=", n, " K=", k,
+                 " with a bias but none without");
+    Buffer<T> a(m * k), b(k * n);
+    Buffer<TC> c(m * n);
+    for (std::int64_t i = 0; i < m * k; ++i) a[i] = static_cast<T>(static_cast<float>(i % 7 + 1) * 0.01f);
+    for (std::int64_t i = 0; i < k * n; ++i) b[i] = static_cast<T>(static_cast<float>(i % 5 + 1) * 0.01f);
+    c.zero();
+    using clock = std::chrono::steady_clock;
+    const auto timed = [](auto&& run) {
+      const auto t0 = clock::now();
+      run();
+      return std::chrono::duration<double>(clock::now() - t0).count();
+    };
+    const auto run_native = [&] { execute(native, a.data(), b.data(), nullptr, c.data()); };
+    const auto run_upconvert = [&] { upconvert<T, TC>(c.data(), a.data(), b.data(), nullptr, m, n, k, op); };
+    run_native();
+    run_upconvert();
+    GemmMeasurement best{.native_s = 1e30, .upconvert_s = 1e30};
+    for (int r = 0; r < kRepeats; ++r) {
+      best.native_s = std::min(best.native_s, timed(run_native));
+      best.upconvert_s = std::min(best.upconvert_s, timed(run_upconvert));
+    }
+    best.path = best.native_s < kNativeMargin * best.upconvert_s ? GemmPath::native : GemmPath::upconvert;
+    return memo.paths.emplace(shape, best).first->second;
+  }
+
+  // Upconvert: f32 copies of the operands, the f32 product, C converted back.
+  template <class T, class TC>
+  void upconvert(TC* c, const T* a, const T* b, const T* bias, std::int64_t m, std::int64_t n, std::int64_t k,
+                 GemmOp op) {
+    const std::int64_t mk = m * k, kn = k * n, mn = m * n;
+    scratch_.reserve(mk + kn + n + (std::is_same_v<TC, float> ? 0 : mn));
+    float* a32 = scratch_.data();
+    float* b32 = a32 + mk;
+    float* bias32 = b32 + kn;
+    convert(a32, a, mk);
+    convert(b32, b, kn);
+    if (bias) convert(bias32, bias, n);
+    float* c32 = nullptr;
+    if constexpr (std::is_same_v<TC, float>) {
+      c32 = c;
+    } else {
+      c32 = bias32 + n;
+      if (op.accumulate) convert(c32, c, mn);
+    }
+    Entry& f = entry<float, float>(key_of<float, float>(m, n, k, op, bias != nullptr), op);
+    execute(f, a32, b32, bias ? bias32 : nullptr, c32);
+    if constexpr (!std::is_same_v<TC, float>) convert(c, c32, mn);
   }
 
   // The native primitive; false when oneDNN has none for this CPU but its reference
@@ -273,6 +413,50 @@ class Context {
   std::map<Key, Entry> cache_;
   Buffer<float> scratch_;  // upconvert: (M·K + K·N + N [+ M·N]) f32
 };
+
+// The bf16 paths of a step's GEMMs (C in bf16, or f32 for the accumulating weight-
+// gradient form, as a step writes them), chosen now rather than in the first step:
+// measured, unless the Context pins them. Every rank of a process may call it at once.
+struct Bf16Paths {
+  int native = 0, upconvert = 0;  // shapes on each path
+  int measured = 0;               // of them, chosen by measuring
+  double chosen_s = 0.0;          // measured shapes: the chosen paths' summed times
+  double upconvert_s = 0.0;       // ... and upconvert's
+  double seconds = 0.0;           // wall time of the choice
+
+  // "native on 14 of 15 shapes, upconvert on 1 (measured: 0.38x upconvert's time; 0.9 s)"
+  std::string describe() const {
+    char line[192];
+    int len = std::snprintf(line, sizeof line, "native on %d of %d shapes, upconvert on %d", native, native + upconvert,
+                            upconvert);
+    if (measured > 0 && upconvert_s > 0.0)
+      std::snprintf(line + len, sizeof line - static_cast<std::size_t>(len),
+                    " (measured: %.2fx upconvert's time; %.1f s)", chosen_s / upconvert_s, seconds);
+    else if (measured == 0 && native + upconvert > 0)
+      std::snprintf(line + len, sizeof line - static_cast<std::size_t>(len), " (not measured: %s)",
+                    native == 0 ? "pinned, or oneDNN has no bf16 kernel on this CPU" : "pinned");
+    return line;
+  }
+};
+
+inline Bf16Paths choose_bf16_paths(Context& ctx, std::span<const GemmShape> shapes) {
+  const auto start = std::chrono::steady_clock::now();
+  Bf16Paths paths;
+  for (const GemmShape& s : shapes) {
+    const std::string how = s.op.accumulate ? ctx.implementation<bf16, float>(s.m, s.n, s.k, s.op)
+                                            : ctx.implementation<bf16, bf16>(s.m, s.n, s.k, s.op);
+    const std::optional<GemmMeasurement> m = s.op.accumulate ? ctx.measurement<bf16, float>(s.m, s.n, s.k, s.op)
+                                                             : ctx.measurement<bf16, bf16>(s.m, s.n, s.k, s.op);
+    ++(how.rfind("native", 0) == 0 ? paths.native : paths.upconvert);
+    if (m) {
+      ++paths.measured;
+      paths.chosen_s += m->path == GemmPath::native ? m->native_s : m->upconvert_s;
+      paths.upconvert_s += m->upconvert_s;
+    }
+  }
+  paths.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return paths;
+}
 
 // The reference product in the element type itself, for tests in double precision.
 template <class T>

@@ -36,21 +36,6 @@
 
 namespace llmpar::backend::cpu {
 
-// One GEMM of a step: C(M,N) [+]= op(A)·op(B).
-struct GemmShape {
-  std::int64_t m = 0, n = 0, k = 0;
-  GemmOp op{};
-  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
-};
-
-// The three GEMMs of a linear layer in (out, in) weight layout over `rows` rows:
-// forward Y = X·Wᵀ, input gradient dX = dY·W, weight gradient dW += dYᵀ·X.
-inline std::vector<GemmShape> linear_layer_shapes(std::int64_t rows, std::int64_t in, std::int64_t out) {
-  return {{rows, out, in, {.trans_a = false, .trans_b = true, .accumulate = false}},
-          {rows, in, out, {}},
-          {out, in, rows, {.trans_a = true, .trans_b = false, .accumulate = true}}};
-}
-
 struct GemmPeak {
   double gflops = 0.0;  // the best throughput seen
   DType dtype = DType::f32;
