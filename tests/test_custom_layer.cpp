@@ -32,8 +32,8 @@ using tp_test::relative_difference;
 using tp_test::Run;
 using tp_test::train_five_steps;
 
-// A model of a user's blocks is an nn::Model, as models::GPT2 is: the trainer takes it.
-static_assert(nn::check_model<LlamaModel<float>>());
+// A model of a user's blocks is a pipeline::Model, as models::GPT2 is: the trainer takes it.
+static_assert(pipeline::check_model<LlamaModel<float>>());
 
 namespace {
 

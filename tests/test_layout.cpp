@@ -200,9 +200,9 @@ TEST_CASE("layout: a model built from the grid and the layout holds this rank's 
   CHECK(refused[0].find("the layout is tp 1 x pp 2 but the grid's groups are tp 2 x pp 2") != std::string::npos);
 }
 
-// The models the trainer takes are nn::Models (a model missing a member is
-// tests/compile_fail/model_missing_token_table.cpp).
-static_assert(nn::Model<models::GPT2<float>> && nn::check_model<models::GPT2<bf16>>());
+// The models the trainer takes are pipeline::Models, nn::Models with a placement (a model
+// missing a member is tests/compile_fail/model_missing_{token_table,placement}.cpp).
+static_assert(pipeline::Model<models::GPT2<float>> && pipeline::check_model<models::GPT2<bf16>>());
 
 TEST_CASE("layout: the trainer refuses a layout that is not its model's, groups', loader's or policy's") {
   using Model = models::GPT2<float>;

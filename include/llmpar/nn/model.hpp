@@ -1,9 +1,9 @@
 // llmpar/nn/model.hpp — the Model concept: what the trainer, the data-parallel strategy
-// and the pipeline executor need of a model.
+// and the pipeline executor need of a model's layers and parameters.
 //
 // A model is what models::Transformer<T, Backend, Spec> is (GPT-2, a user's LLaMA-style
 // block: examples/custom_layer.hpp): a flat store of parameters cut into units, split
-// over a tensor-parallel group, placed on pipeline stages, with a tied token table whose
+// over a tensor-parallel group, with a tied token table whose
 // last-stage copy the trainer keeps in step. Every member below is required: a model
 // without one is a compile error naming it (nn::check_model), never a run that quietly
 // skips what the member was for (the tied table's gradient sum, the memory report, ...).
@@ -11,14 +11,16 @@
 //   using value_type = T;  using BackendTag = Backend;  using Acc = ...;  struct Stash;
 //   ParameterStore<T, Space>& parameter_store();   std::int64_t num_parameters() const;
 //   int num_units() const;  void unit_parameters(int u, Visit&&);  void set_unit_hooks(UnitHooks*);
-//   TensorParallelGroup tensor_parallel() const;   const pipeline::Placement& placement() const;
+//   TensorParallelGroup tensor_parallel() const;
 //   const Parameter<T>* token_table() const;       // the embedding's table, or nullptr on this stage
 //   const Parameter<T>* tied_copy() const;         // the last stage's copy of it, or nullptr
 //   std::size_t activation_bytes() const;          void set_recompute(recompute::Mode);
 //
 // Like nn::Layer (nn/layer.hpp) it is a conjunction of named concepts, and
-// check_model<M>() static_asserts each with its own sentence; the trainer, GradSync and
-// the executor call it.
+// check_model<M>() static_asserts each with its own sentence; GradSync calls it. Where
+// the model sits on the pipeline's stages (placement()) is the pipeline's to ask:
+// pipeline::Model and pipeline::check_model (pipeline/executor.hpp) add it, and the
+// trainer and the executor check those.
 #pragma once
 
 #include <concepts>
@@ -29,7 +31,6 @@
 #include "llmpar/nn/recompute.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/units.hpp"
-#include "llmpar/pipeline/partition.hpp"
 
 namespace llmpar::nn {
 
@@ -56,9 +57,8 @@ concept HasUnits = requires(M& m, const M& cm, UnitHooks* hooks,
 };
 
 template <class M>
-concept HasLayoutParts = requires(const M& cm) {
+concept HasTensorParallelGroup = requires(const M& cm) {
   { cm.tensor_parallel() } -> std::convertible_to<TensorParallelGroup>;
-  { cm.placement() } -> std::convertible_to<const pipeline::Placement&>;
 };
 
 template <class M>
@@ -74,8 +74,8 @@ concept HasActivations = requires(M& m, const M& cm, recompute::Mode mode) {
 };
 
 template <class M>
-concept Model = HasModelTypes<M> && HasParameterStore<M> && HasUnits<M> && HasLayoutParts<M> && HasTiedTable<M> &&
-    HasActivations<M>;
+concept Model = HasModelTypes<M> && HasParameterStore<M> && HasUnits<M> && HasTensorParallelGroup<M> &&
+    HasTiedTable<M> && HasActivations<M>;
 
 // Checks M member by member, each with its own sentence; true when M is a Model. The
 // compiler's "in instantiation of check_model<...>" note names the model type.
@@ -93,10 +93,9 @@ consteval bool check_model() {
                   "llmpar: this model type does not name its units: num_units() const, unit_parameters(unit, "
                   "visit) and set_unit_hooks(nn::UnitHooks*) (nn/units.hpp); the data-parallel strategy reduces, "
                   "binds and gathers per unit");
-    static_assert(HasLayoutParts<M>,
-                  "llmpar: this model type has no tensor_parallel() const returning its nn::TensorParallelGroup or "
-                  "no placement() const returning its pipeline::Placement; the trainer checks them against the "
-                  "layout");
+    static_assert(HasTensorParallelGroup<M>,
+                  "llmpar: this model type has no tensor_parallel() const returning its nn::TensorParallelGroup; the "
+                  "trainer checks it against the layout");
     static_assert(HasTiedTable<M>,
                   "llmpar: this model type has no token_table() const or tied_copy() const returning const "
                   "nn::Parameter<T>* (nullptr where the stage holds none); the trainer sums the tied table's "

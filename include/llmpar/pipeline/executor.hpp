@@ -35,6 +35,7 @@
 #pragma once
 
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -72,10 +73,29 @@ struct MicroBatch {
   const std::int32_t* targets = nullptr;
 };
 
+// A model the executor runs: an nn::Model that also says where it sits on the stages.
+template <class M>
+concept Placed = requires(const M& cm) {
+  { cm.placement() } -> std::convertible_to<const Placement&>;
+};
+template <class M>
+concept Model = nn::Model<M> && Placed<M>;
+
+// Checks M as nn::check_model does, and its placement; true when M is a Model.
+template <class M>
+consteval bool check_model() {
+  static_assert(nn::check_model<M>());
+  static_assert(Placed<M>,
+                "llmpar: this model type has no placement() const returning its pipeline::Placement (which chunks "
+                "of layers this rank holds); the trainer checks it against the layout and the pipeline executor "
+                "runs those chunks");
+  return true;
+}
+
 template <class Model>
 class Executor {
  public:
-  static_assert(nn::check_model<Model>());
+  static_assert(check_model<Model>());
   using T = typename Model::value_type;
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;

@@ -149,7 +149,7 @@ class Trainer {
   using Scaler = precision::ScalerFor<Precision>;
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
   using Executor = pipeline::Executor<Model>;
-  static_assert(nn::check_model<Model>());
+  static_assert(pipeline::check_model<Model>());
   static_assert(std::is_same_v<PolicyOf<Model>, Policy> || !detail::DeclaresPolicy<Model>,
                 "llmpar::train::Trainer: the model was declared with another composed policy; name the policy "
                 "once, in the model's type (train::Trainer<decltype(model)>)");
