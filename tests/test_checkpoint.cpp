@@ -23,6 +23,7 @@
 
 #include "data_parallel_test_util.hpp"
 #include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/checkpoint/trainer_state.hpp"
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/core/rng.hpp"
 
@@ -462,4 +463,77 @@ TEST_CASE("checkpoint: a flipped bit in any stored tensor is refused, naming the
     ++refused;
   }
   CHECK(refused == 9);
+}
+
+TEST_CASE("the trainer state round-trips through JSON, and every missing or wrong field is named") {
+  const ck::TrainerState t{
+      .step = 12,
+      .optimizer_steps = 11,
+      .loader = {.epoch = 1, .consumed = 40, .seq_len = 64},
+      .window_position = std::nullopt,
+      .shuffle = true,
+      .seed = 7,
+      .loss_scaler =
+          {.scale = 1024.0f, .good_steps = 3, .hysteresis_left = 1, .skipped = 1, .growths = 2, .backoffs = 4},
+      .spike_history = {{10, 2.5}, {11, 2.25}},
+      .rollbacks = {9},
+      .has_spike_guard = true};
+  const nlohmann::json j = t.to_json();
+  const ck::TrainerState back = ck::TrainerState::from_json(j, "ck/step_12");
+  CHECK(back.step == 12);
+  CHECK(back.optimizer_steps == 11);
+  CHECK(back.loader == t.loader);
+  CHECK_FALSE(back.window_position.has_value());
+  CHECK(back.shuffle);
+  CHECK(back.seed == 7);
+  CHECK(back.loss_scaler.scale == 1024.0f);
+  CHECK(back.loss_scaler.good_steps == 3);
+  CHECK(back.loss_scaler.hysteresis_left == 1);
+  CHECK(back.loss_scaler.skipped == 1);
+  CHECK(back.loss_scaler.growths == 2);
+  CHECK(back.loss_scaler.backoffs == 4);
+  CHECK(back.spike_history == t.spike_history);
+  CHECK(back.rollbacks == t.rollbacks);
+  CHECK(back.has_spike_guard);
+  CHECK(back.to_json() == j);
+
+  // An older checkpoint's window position is kept for the loader to translate.
+  nlohmann::json old = j;
+  old["loader"] = {{"shard", 2}, {"window", 5}, {"epoch", 0}, {"window_tokens", 65}};
+  const ck::TrainerState w = ck::TrainerState::from_json(old, "ck/step_12");
+  REQUIRE(w.window_position.has_value());
+  CHECK(w.window_position->shard == 2);
+  CHECK(w.window_position->window == 5);
+  CHECK(w.window_position->window_tokens == 65);
+  CHECK_FALSE(w.shuffle);
+
+  const auto refused = [&](const nlohmann::json& bad, const std::string& message) {
+    CAPTURE(bad.dump());
+    CHECK_THROWS_WITH_AS(ck::TrainerState::from_json(bad, "ck/step_12"), doctest::Contains(message.c_str()), Error);
+  };
+  nlohmann::json bad = j;
+  bad.erase("step");
+  refused(bad, "ck/step_12: the trainer state has no count 'step'");
+  bad = j;
+  bad["optimizer_steps"] = 13;
+  refused(bad, "ck/step_12: 13 optimizer updates in 12 steps");
+  bad = j;
+  bad["loader"]["consumed"] = -1;
+  refused(bad, "ck/step_12: the trainer state has no count 'consumed'");
+  bad = j;
+  bad.erase("loss_scaler");
+  refused(bad, "ck/step_12: the trainer state has no 'loader' or 'loss_scaler'");
+  bad = j;
+  bad["loss_scaler"].erase("scale");
+  refused(bad, "ck/step_12: the loss scaler state has no scale");
+  bad = j;
+  bad["loss_scaler"]["backoffs"] = "four";
+  refused(bad, "ck/step_12: the trainer state has no count 'backoffs'");
+  bad = j;
+  bad["spike_guard"]["history"] = {1, 2};
+  refused(bad, "ck/step_12: the spike guard's state is not {history: [[step, loss], ...], rollbacks: [step, ...]}");
+  // A state without a spike guard's record resumes a run that has none.
+  bad = j;
+  bad.erase("spike_guard");
+  CHECK_FALSE(ck::TrainerState::from_json(bad, "ck/step_12").has_spike_guard);
 }

@@ -15,6 +15,7 @@
 #endif
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/checkpoint/trainer_state.hpp"
 #include "llmpar/checkpoint/hf_gpt2.hpp"
 #include "llmpar/checkpoint/safetensors.hpp"
 #include "llmpar/comm/communicator.hpp"

@@ -54,6 +54,7 @@
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/backend/cpu/convert.hpp"
 #include "llmpar/checkpoint/checkpoint.hpp"
+#include "llmpar/checkpoint/trainer_state.hpp"
 #include "llmpar/comm/grid.hpp"
 #include "llmpar/comm/init.hpp"
 #include "llmpar/core/error.hpp"
@@ -337,7 +338,7 @@ class Trainer {
       Space::copy_to_host(s.data[2].data() + at, optimizer_.second_moment().data() + p.state_offset, bytes);
       at += p.n;
     }
-    s.state = state();
+    s.state = state().to_json();
   }
 
   // Continues the run a checkpoint (or snapshot) stopped: every value and moment this
@@ -345,36 +346,29 @@ class Trainer {
   // the data position and the loss scaler from `state`. Every rank calls it together.
   void restore(const checkpoint::Source& source, const nlohmann::json& state) {
     fill(source, /*moments=*/true);
-    restore_state(state, source.what());
+    restore_state(checkpoint::TrainerState::from_json(state, source.what()), source.what());
   }
   // Only the weights (master and working copy) from `source`, e.g. a Hugging Face file
   // (checkpoint/hf_gpt2.hpp): the moments, the step and the data position stay as they are.
   // Every rank calls it together.
   void load_weights(const checkpoint::Source& source) { fill(source, /*moments=*/false); }
 
-  // The step, data position, optimizer step count and loss scaler (what a checkpoint's
-  // metadata holds besides the tensors).
-  nlohmann::json state() const {
-    const data::LoaderState l = train_.state();
-    const precision::ScalerState sc = scaler_.state();
-    return {{"step", step_},
-            {"optimizer_steps", optimizer_.steps_taken()},
-            {"loader",
-             {{"epoch", l.epoch},
-              {"consumed", l.consumed},
-              {"seq_len", l.seq_len},
-              {"shuffle", train_.config().shuffle},
-              {"seed", train_.config().seed}}},
-            {"loss_scaler",
-             {{"scale", sc.scale},
-              {"good_steps", sc.good_steps},
-              {"hysteresis_left", sc.hysteresis_left},
-              {"skipped", sc.skipped},
-              {"growths", sc.growths},
-              {"backoffs", sc.backoffs}}},
-            {"spike_guard",
-             {{"history", guard_ ? guard_->history() : std::vector<std::pair<std::int64_t, double>>{}},
-              {"rollbacks", guard_ ? guard_->rollback_steps() : std::vector<std::int64_t>{}}}}};
+  // The step, data position, optimizer step count, loss scaler and spike guard (what a
+  // checkpoint's metadata holds besides the tensors).
+  checkpoint::TrainerState state() const {
+    checkpoint::TrainerState t;
+    t.step = step_;
+    t.optimizer_steps = optimizer_.steps_taken();
+    t.loader = train_.state();
+    t.shuffle = train_.config().shuffle;
+    t.seed = train_.config().seed;
+    t.loss_scaler = scaler_.state();
+    if (guard_) {
+      t.spike_history = guard_->history();
+      t.rollbacks = guard_->rollback_steps();
+      t.has_spike_guard = true;
+    }
+    return t;
   }
 
   // The layout this rank trains at, as a checkpoint records it.
@@ -423,60 +417,22 @@ class Trainer {
     sync_.after_update();  // every rank's blocks to every replica (stages 1, 2); stale gathers forgotten (3)
   }
 
-  void restore_state(const nlohmann::json& s, const std::string& what) {
-    const auto number = [&](const nlohmann::json& obj, const char* key) -> std::int64_t {
-      LLMPAR_CHECK(
-          obj.is_object() && obj.contains(key) && obj[key].is_number_integer() && obj[key].get<std::int64_t>() >= 0,
-          what, ": the trainer state has no count '", key, "'");
-      return obj[key].get<std::int64_t>();
+  void restore_state(const checkpoint::TrainerState& s, const std::string& what) {
+    const auto order = [](bool shuffle, std::uint64_t seed) {
+      return shuffle ? "shuffled with seed " + std::to_string(seed) : std::string("in order");
     };
-    const std::int64_t step = number(s, "step");
-    const std::int64_t updates = number(s, "optimizer_steps");
-    LLMPAR_CHECK(updates <= step && step < (std::int64_t{1} << 31), what, ": ", updates, " optimizer updates in ", step,
-                 " steps");
-    LLMPAR_CHECK(s.contains("loader") && s.contains("loss_scaler"), what,
-                 ": the trainer state has no 'loader' or 'loss_scaler'");
-    const nlohmann::json& l = s["loader"];
-    const bool shuffle = l.contains("shuffle") && l["shuffle"].is_boolean() && l["shuffle"].get<bool>();
-    const std::uint64_t seed =
-        l.contains("seed") && l["seed"].is_number_unsigned() ? l["seed"].get<std::uint64_t>() : 0;
-    LLMPAR_CHECK(shuffle == train_.config().shuffle && (!shuffle || seed == train_.config().seed), what,
-                 ": the data order was ",
-                 shuffle ? "shuffled with seed " + std::to_string(seed) : std::string("in order"),
-                 " but this run's loader reads ",
-                 train_.config().shuffle ? "shuffled with seed " + std::to_string(train_.config().seed)
-                                         : std::string("in order"),
+    LLMPAR_CHECK(s.shuffle == train_.config().shuffle && (!s.shuffle || s.seed == train_.config().seed), what,
+                 ": the data order was ", order(s.shuffle, s.seed), " but this run's loader reads ",
+                 order(train_.config().shuffle, train_.config().seed),
                  "; resume with the checkpoint's --seed and --shuffle/--no-shuffle");
-    // A checkpoint from before the order was a function of the seed and T alone records
-    // a window of a shard instead of the sequences read.
-    if (l.contains("consumed"))
-      train_.restore({.epoch = number(l, "epoch"), .consumed = number(l, "consumed"), .seq_len = number(l, "seq_len")});
+    if (const auto& w = s.window_position)
+      train_.restore(train_.from_windows(w->shard, w->window, w->epoch, w->window_tokens, s.shuffle));
     else
-      train_.restore(train_.from_windows(number(l, "shard"), number(l, "window"), number(l, "epoch"),
-                                         number(l, "window_tokens"), shuffle));
-    const nlohmann::json& sc = s["loss_scaler"];
-    LLMPAR_CHECK(sc.is_object() && sc.contains("scale") && sc["scale"].is_number(), what,
-                 ": the loss scaler state has no scale");
-    scaler_.restore({.scale = sc["scale"].get<float>(),
-                     .good_steps = static_cast<int>(number(sc, "good_steps")),
-                     .hysteresis_left = static_cast<int>(number(sc, "hysteresis_left")),
-                     .skipped = number(sc, "skipped"),
-                     .growths = number(sc, "growths"),
-                     .backoffs = number(sc, "backoffs")});
-    optimizer_.set_steps_taken(static_cast<int>(updates));
-    step_ = step;
-    if (guard_ && s.contains("spike_guard")) {
-      const nlohmann::json& g = s["spike_guard"];
-      std::vector<std::pair<std::int64_t, double>> history;
-      std::vector<std::int64_t> rollbacks;
-      try {
-        history = g.at("history").get<std::vector<std::pair<std::int64_t, double>>>();
-        rollbacks = g.at("rollbacks").get<std::vector<std::int64_t>>();
-      } catch (const nlohmann::json::exception&) {
-        LLMPAR_FAIL(what, ": the spike guard's state is not {history: [[step, loss], ...], rollbacks: [step, ...]}");
-      }
-      guard_->restore(history, rollbacks);
-    }
+      train_.restore(s.loader);
+    scaler_.restore(s.loss_scaler);
+    optimizer_.set_steps_taken(static_cast<int>(s.optimizer_steps));
+    step_ = s.step;
+    if (guard_ && s.has_spike_guard) guard_->restore(s.spike_history, s.rollbacks);
     snapshot_step_ = -1;  // the next step snapshots the restored state
   }
 
