@@ -548,7 +548,7 @@ TEST_CASE(
       CHECK_THROWS_WITH_AS(comm.barrier(), doctest::Contains("is broken and runs no more operations"), Error);
       CHECK_THROWS_WITH_AS(comm.all_reduce_async(data), doctest::Contains("is broken"), Error);
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       comm.all_reduce_async(data).wait();  // completes as the others' abandoned request progresses
       CHECK(data[0] == static_cast<float>(world.size()));
     }
@@ -578,7 +578,7 @@ TEST_CASE("a recv whose send comes late times out, naming the peer that has not 
                          "send (this is recv #1 from rank 1; rank 1 has posted 0 sends to rank 0)") !=
             std::string::npos);
     } else if (world.rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       comm.send(data, 0);
     }
     world.barrier();
@@ -720,7 +720,7 @@ TEST_CASE("a batch whose peer posts late times out, naming the operation that wa
                     message);
       CHECK_THROWS_WITH_AS(comm.barrier(), doctest::Contains("is broken"), Error);
     } else if (world.rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
       comm.p2p({comm.recv_op(in, 0), comm.send_op(out, 0)});
     }
     world.barrier();
