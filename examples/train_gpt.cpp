@@ -51,7 +51,8 @@ train_gpt::Peak start_cpu(const Options& o, comm::Comm& world, backend::cpu::Con
   if (dtype == DType::bf16) {
     const backend::cpu::Bf16Paths paths = backend::cpu::choose_bf16_paths(ctx, shapes);
     if (world.rank() == 0)
-      std::printf("bf16 GEMMs (--cpu-bf16-gemm %s): %s\n", o.cpu_bf16_gemm.c_str(), paths.describe().c_str());
+      std::printf("bf16 GEMMs (--cpu-bf16-gemm %s): %s\n", backend::cpu::name_of(ctx.config().bf16),
+                  paths.describe().c_str());
   }
   if (const auto given = train_gpt::given_peak(o)) return *given;
   world.barrier();

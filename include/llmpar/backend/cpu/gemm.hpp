@@ -116,12 +116,6 @@ struct GemmMeasurement {
   double upconvert_s = 0.0;
 };
 
-// Whether oneDNN runs AMX (bf16 tile multiplies) on this CPU.
-inline bool cpu_has_amx() {
-  constexpr unsigned kAmx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
-  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & kAmx) == kAmx;
-}
-
 // One GEMM of a step: C(M,N) [+]= op(A)·op(B).
 struct GemmShape {
   std::int64_t m = 0, n = 0, k = 0;
@@ -239,6 +233,13 @@ class Context {
     return how;
   }
 
+  // The path a GEMM of these types and shape takes. Creates the primitive (and
+  // measures) if needed.
+  template <class T, class TC = T>
+  GemmPath path(std::int64_t m, std::int64_t n, std::int64_t k, GemmOp op = {}, bool bias = false) {
+    return entry<T, TC>(key_of<T, TC>(m, n, k, op, bias), op).path;
+  }
+
   // The measurement that chose this bf16 GEMM's path; none when the path was pinned,
   // the types are not bf16, or oneDNN has no bf16 kernel for it. Creates the primitive
   // (and measures) if needed.
@@ -290,7 +291,7 @@ class Context {
       if (cfg_.bf16 == Bf16Gemm::upconvert || !create<T, TC>(e, m, n, k, op, has_bias)) {
         e.path = GemmPath::upconvert;
       } else if (cfg_.bf16 == Bf16Gemm::measured) {
-        e.measurement = measured<T, TC>(key, op);
+        e.measurement = measured<T, TC>(key, op, has_bias ? nullptr : &e);
         e.path = e.measurement->path;
       }
     } else {
@@ -301,9 +302,10 @@ class Context {
 
   // The process's measured path for a bf16 key (measured now if this is its first use
   // in the process): the best of kRepeats alternating runs of each path, on scratch
-  // operands of small non-zero values, after one warm-up run of each.
+  // operands of small non-zero values, after one warm-up run of each. `native`: the
+  // key's own bias-less primitive, or null to create one without the bias.
   template <class T, class TC>
-  GemmMeasurement measured(const Key& key, GemmOp op) {
+  GemmMeasurement measured(const Key& key, GemmOp op, const Entry* native) {
     static constexpr int kRepeats = 3;
     Key shape = key;
     std::get<6>(shape) = false;
@@ -311,9 +313,12 @@ class Context {
     const std::lock_guard lock(memo.mutex);
     if (auto it = memo.paths.find(shape); it != memo.paths.end()) return it->second;
     const std::int64_t m = std::get<0>(key), n = std::get<1>(key), k = std::get<2>(key);
-    Entry native;
-    LLMPAR_CHECK((create<T, TC>(native, m, n, k, op, false)), "oneDNN gave a bf16 matmul for M=", m, " N=", n, " K=", k,
-                 " with a bias but none without");
+    Entry without_bias;
+    if (native == nullptr) {
+      LLMPAR_CHECK((create<T, TC>(without_bias, m, n, k, op, false)), "oneDNN gave a bf16 matmul for M=", m, " N=", n,
+                   " K=", k, " with a bias but none without");
+      native = &without_bias;
+    }
     Buffer<T> a(m * k), b(k * n);
     Buffer<TC> c(m * n);
     for (std::int64_t i = 0; i < m * k; ++i) a[i] = static_cast<T>(static_cast<float>(i % 7 + 1) * 0.01f);
@@ -325,7 +330,7 @@ class Context {
       run();
       return std::chrono::duration<double>(clock::now() - t0).count();
     };
-    const auto run_native = [&] { execute(native, a.data(), b.data(), nullptr, c.data()); };
+    const auto run_native = [&] { execute(*native, a.data(), b.data(), nullptr, c.data()); };
     const auto run_upconvert = [&] { upconvert<T, TC>(c.data(), a.data(), b.data(), nullptr, m, n, k, op); };
     run_native();
     run_upconvert();
@@ -443,11 +448,11 @@ inline Bf16Paths choose_bf16_paths(Context& ctx, std::span<const GemmShape> shap
   const auto start = std::chrono::steady_clock::now();
   Bf16Paths paths;
   for (const GemmShape& s : shapes) {
-    const std::string how = s.op.accumulate ? ctx.implementation<bf16, float>(s.m, s.n, s.k, s.op)
-                                            : ctx.implementation<bf16, bf16>(s.m, s.n, s.k, s.op);
+    const GemmPath path =
+        s.op.accumulate ? ctx.path<bf16, float>(s.m, s.n, s.k, s.op) : ctx.path<bf16, bf16>(s.m, s.n, s.k, s.op);
     const std::optional<GemmMeasurement> m = s.op.accumulate ? ctx.measurement<bf16, float>(s.m, s.n, s.k, s.op)
                                                              : ctx.measurement<bf16, bf16>(s.m, s.n, s.k, s.op);
-    ++(how.rfind("native", 0) == 0 ? paths.native : paths.upconvert);
+    ++(path == GemmPath::native ? paths.native : paths.upconvert);
     if (m) {
       ++paths.measured;
       paths.chosen_s += m->path == GemmPath::native ? m->native_s : m->upconvert_s;
