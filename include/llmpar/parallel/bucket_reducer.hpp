@@ -20,12 +20,16 @@
 //    last micro-batch's backward); stages 2 and 3 reduce-scatter each micro-batch, as
 //    DeepSpeed does, because keeping the whole gradient across micro-batches is what
 //    they exist to avoid.
-//  - On a GPU the reduction reads what the kernels wrote: the bucket's issue waits for
-//    the compute stream first.
+//  - On a GPU the reduction reads what the kernels wrote, but the thread that queues
+//    the kernels does not wait for them: issuing a bucket records a fence in the
+//    compute stream's order (Backend::Fence, a CUDA event) and the communication thread
+//    waits on it before the collective, while the compute thread goes on queueing the
+//    rest of backward. No host synchronisation of the compute stream happens here.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <vector>
 
@@ -45,6 +49,7 @@ class BucketReducer {
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
+  using Fence = typename Backend::Fence;
   using Buffer_ = GradBuffer<Model, kStage>;
   using Grad = typename Buffer_::Grad;
   static constexpr bool kShardedGrads = kStage >= 2;
@@ -107,12 +112,14 @@ class BucketReducer {
     int pending = 0;  // units of this micro-batch still in backward
     bool issued = false;
     int grad_slot = -1;  // stages 2, 3: the pooled gradient buffer bound to it this micro-batch
+    Fence fence;         // stages 0, 1: where its gradients are complete (one reduction per step)
   };
   struct Slot {
     Buffer<Grad, Space> grads;
     bool in_use = false;
     CommThread::Ticket ticket = 0;  // the reduction that still reads it (0: none)
     std::uint64_t last_use = 0;
+    Fence fence;  // where the gradients of its reduction in flight are complete
   };
 
   // Queues bucket b's reduction (stage 0: all-reduce; 1: reduce-scatter in place; 2, 3:
@@ -122,15 +129,19 @@ class BucketReducer {
     st.issued = true;
     if (!reduce_now_ && !kShardedGrads) return;
     if (cfg_.trace) thread_.record({TraceEvent::Kind::issued, b});
-    Backend::synchronize(ctx_);   // the reduction reads what the kernels wrote
     const Grad* whole = nullptr;  // stages 2, 3: the pooled gradients bound this micro-batch
+    Fence* fence = &st.fence;
     if constexpr (kShardedGrads) {
       LLMPAR_CHECK(st.grad_slot >= 0, "ZeRO stage ", kStage, ": bucket ", b,
                    " reached its reduction without a gradient buffer; the model must call before_backward for "
                    "every unit it runs backward through");
-      whole = slots_[static_cast<std::size_t>(st.grad_slot)].grads.data();
+      Slot& slot = slots_[static_cast<std::size_t>(st.grad_slot)];
+      whole = slot.grads.data();
+      fence = &slot.fence;  // a slot is not bound again before this reduction has run
     }
-    auto task = [this, b, whole] {
+    fence->record(ctx_);  // the reduction reads what the kernels queued so far wrote
+    auto task = [this, b, whole, fence] {
+      if (dp_) fence->wait();  // alone, the only work is an add queued in stream order
       reduce(buffer_.buckets()[static_cast<std::size_t>(b)], whole);
       if (cfg_.trace) thread_.record({TraceEvent::Kind::reduced, b});
     };
@@ -165,18 +176,23 @@ class BucketReducer {
         dp_->reduce_scatter(std::span<const Grad>(whole, static_cast<std::size_t>(b.size())),
                             std::span<Grad>(staging_.data(), static_cast<std::size_t>(b.chunk)), comm::ReduceOp::avg);
         add_into(shard, staging_.data(), b.chunk);
+        if constexpr (!Space::kHostAccessible) {
+          // The next reduction writes the staging block again, and an engine on the host
+          // does so at once: the add must have run.
+          added_.record(ctx_);
+          added_.wait();
+        }
       } else {
         add_into(shard, whole, b.chunk);
       }
     }
   }
-  // shard += x (n), on the communication thread.
+  // shard += x (n): on the host at once, on a device queued in the compute stream's order.
   void add_into(Grad* shard, const Grad* x, std::int64_t n) {
     if constexpr (Space::kHostAccessible) {
       for (std::int64_t i = 0; i < n; ++i) shard[i] += x[i];
     } else {
       Backend::add_inplace(ctx_, shard, x, n);
-      Backend::synchronize(ctx_);
     }
   }
 
@@ -214,8 +230,9 @@ class BucketReducer {
   CommThread& thread_;
   DataConfig cfg_;
   std::vector<State> state_;     // per bucket
-  std::vector<Slot> slots_;      // stages 2, 3: pooled bucket gradients
+  std::deque<Slot> slots_;       // stages 2, 3: pooled bucket gradients (a deque: a queued reduction's fence stays put)
   Buffer<Grad, Space> staging_;  // stages 2, 3: one block's reduce-scatter result
+  Fence added_;                  // stages 2, 3 on a device: the communication thread's last add into the shard
   bool in_step_ = false, reduce_now_ = true;
   std::uint64_t clock_ = 0;
 };

@@ -10,11 +10,15 @@
 //                as soon as the unit is done, so only a few units are whole at any time.
 //
 // Gathers go through the same communication thread as the bucket reductions
-// (comm_thread.hpp), so the two keep one order on the dp communicator on every rank.
+// (comm_thread.hpp), so the two keep one order on the dp communicator on every rank. A
+// gather reads the shard the optimizer wrote: it waits, on the communication thread, for a
+// fence recorded in the compute stream's order when it was queued (Backend::Fence), so the
+// compute thread is never held up by a host synchronisation of the stream.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <vector>
 
@@ -33,6 +37,7 @@ class ParamGatherer {
   using Backend = typename Model::BackendTag;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
+  using Fence = typename Backend::Fence;
   using Buffer_ = GradBuffer<Model, kStage>;
   static constexpr bool kShardedValues = kStage == 3;
 
@@ -72,8 +77,9 @@ class ParamGatherer {
       std::fill(resident_.begin(), resident_.end(), -1);
     } else if constexpr (kStage == 1 || kStage == 2) {
       if (!dp_) return;
-      Backend::synchronize(ctx_);
+      updated_.record(ctx_);
       thread_.run_here([&] {
+        updated_.wait();  // the engine reads the updated blocks
         for (const auto& b : buffer_.buckets()) {
           T* base = buffer_.store().values() + b.begin;
           dp_->all_gather(std::span<const T>(base + buffer_.dp_rank() * b.chunk, static_cast<std::size_t>(b.chunk)),
@@ -99,6 +105,7 @@ class ParamGatherer {
     bool in_use = false;
     CommThread::Ticket ticket = 0;  // the gather that still writes it (0: none)
     std::uint64_t last_use = 0;
+    Fence fence;  // where the shard its gather reads is written
   };
 
   // Bucket b's values whole in a slot and bound to its parameters; prefetches the next
@@ -151,14 +158,17 @@ class ParamGatherer {
     const auto& bucket = buffer_.buckets()[static_cast<std::size_t>(b)];
     T* whole = slot.values.data();
     const T* mine = buffer_.shard_values().data() + bucket.shard_offset;
-    Backend::synchronize(ctx_);  // the optimizer's last writes to the shard
-    auto task = [this, b, whole, mine] {
+    Fence* fence = &slot.fence;  // a slot is not taken again before its gather has run
+    fence->record(ctx_);         // the optimizer's last writes to the shard
+    auto task = [this, b, whole, mine, fence] {
       const auto& bk = buffer_.buckets()[static_cast<std::size_t>(b)];
-      if (dp_)
+      if (dp_) {
+        fence->wait();
         dp_->all_gather(std::span<const T>(mine, static_cast<std::size_t>(bk.chunk)),
                         std::span<T>(whole, static_cast<std::size_t>(bk.size())));
-      else
-        Space::copy(whole, mine, bk.size());
+      } else {
+        Backend::copy(ctx_, whole, mine, bk.size());  // alone: a copy in stream order
+      }
       if (cfg_.trace) thread_.record({TraceEvent::Kind::gathered, b});
     };
     if (dp_ && cfg_.overlap) {
@@ -194,7 +204,8 @@ class ParamGatherer {
   comm::Comm* dp_;
   CommThread& thread_;
   DataConfig cfg_;
-  std::vector<Slot> slots_;    // stage 3: pooled gathered values
+  std::deque<Slot> slots_;     // stage 3: pooled gathered values (a deque: a queued gather's fence stays put)
+  Fence updated_;              // stages 1, 2: where the optimizer's update is written
   std::vector<int> resident_;  // stage 3: bucket -> its value slot, or -1
   std::vector<int> trace_;     // stage 3: the order of gathers the first step recorded
   std::size_t trace_cursor_ = 0;

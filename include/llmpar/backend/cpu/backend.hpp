@@ -177,6 +177,13 @@ struct Cpu {
     cpu::convert(dst, src, n);
   }
   static void synchronize(Context&) {}
+  // A point in the order of a context's work, for another thread to wait on (the
+  // communication thread, before it reads what the kernels wrote). The CPU's kernels
+  // have run when they return, so every fence is reached as soon as it is recorded.
+  struct Fence {
+    void record(Context&) {}
+    void wait() const {}
+  };
   // Σ x² of n elements, deterministic whatever the thread count.
   template <class G>
   static double sum_of_squares(Context&, const G* x, std::int64_t n) {

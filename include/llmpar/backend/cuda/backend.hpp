@@ -80,6 +80,25 @@ class Context {
   DeviceBuffer<std::byte> scratch_;
 };
 
+// A point in a context's compute-stream order (backend::Cuda::Fence): record() marks
+// the work queued so far; wait() blocks the calling thread until the device has run it.
+// The communication thread waits on one before a collective reads what the kernels
+// wrote, so the thread that queues the kernels never waits for the device. Its event is
+// made on the first record (on the thread and device that queue the kernels).
+class Fence {
+ public:
+  void record(Context& ctx) {
+    if (event_.get() == nullptr) event_ = Event(Event::Timing::off);
+    event_.record(ctx.stream());
+  }
+  void wait() const {
+    if (event_.get() != nullptr) event_.synchronize();
+  }
+
+ private:
+  Event event_;
+};
+
 // The device's AdamW over an optimizer's table of tensors (optim::AdamW builds it and
 // owns the state): llmpar's multi-tensor kernel (kernels/adamw.cuh), its chunk table
 // built once. step() puts the square of the global norm (loss scale included) on the
@@ -237,6 +256,7 @@ struct Cuda {
   template <class To, class From>
   static void convert(Context& ctx, To* dst, const From* src, std::int64_t n);
   static void synchronize(Context& ctx) { ctx.synchronize(); }
+  using Fence = cuda::Fence;
   // Σ x² of n device floats (G = float: the main gradients), on the host (waits for the
   // stream).
   template <class G>
