@@ -34,7 +34,7 @@ namespace detail {
 
 // A piece of a message appended as an ostream would print it, but without one where the
 // type allows (text, characters, integers; floating point goes through one shared
-// stream function): every message shape instantiates concat, so it stays small.
+// stream function): every message shape instantiates concat_parts, so it stays small.
 LLMPAR_COLD inline void append_floating(std::string& out, double v) {
   std::ostringstream os;
   os << v;
@@ -71,12 +71,41 @@ void append(std::string& out, const T& v) {
   }
 }
 
+template <class... Parts>
+std::string concat_parts(const Parts&... parts) {
+  std::string out;
+  (append(out, parts), ...);
+  return out;
+}
+
+// A message part in its canonical type, so that messages of one shape share one
+// instantiation of throw_parts whatever the lengths of their literals or the widths of
+// their integers: text becomes const char* or string_view, integers (long) long, floating
+// point double; other types stay as they are, by reference.
+template <class T>
+decltype(auto) part(const T& v) {
+  if constexpr (std::is_convertible_v<const T&, const char*>) {
+    return static_cast<const char*>(v);
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    return std::string_view(v);
+  } else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, char> || std::is_same_v<T, signed char> ||
+                       std::is_same_v<T, unsigned char>) {
+    return v;
+  } else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    return static_cast<long long>(v);
+  } else if constexpr (std::is_integral_v<T>) {
+    return static_cast<unsigned long long>(v);
+  } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return static_cast<double>(v);
+  } else {
+    return static_cast<const T&>(v);
+  }
+}
+
 // The message `os << args...` would print.
 template <class... Args>
 std::string concat(const Args&... args) {
-  std::string out;
-  (append(out, args), ...);
-  return out;
+  return concat_parts(part(args)...);
 }
 
 // The throw itself, out of line: one copy per program rather than one per message.
@@ -86,11 +115,16 @@ std::string concat(const Args&... args) {
   throw Error(std::move(message), file, line);
 }
 
-// One instantiation per distinct message shape; cold, so the compiler keeps it small and
-// out of the checked function's hot path.
+// One instantiation per canonical message shape; cold, so the compiler keeps it small
+// and out of the checked function's hot path.
+template <class... Parts>
+[[noreturn]] LLMPAR_COLD void throw_parts(const char* file, int line, const char* expr, const Parts&... parts) {
+  raise_error(file, line, expr, concat_parts(parts...));
+}
+
 template <class... Args>
-[[noreturn]] LLMPAR_COLD void throw_error(const char* file, int line, const char* expr, Args&&... args) {
-  raise_error(file, line, expr, concat(args...));
+[[noreturn]] inline void throw_error(const char* file, int line, const char* expr, const Args&... args) {
+  throw_parts(file, line, expr, part(args)...);
 }
 
 }  // namespace detail
