@@ -123,8 +123,9 @@ configure() {
     # flags", has the figures). The one loop nest that needs more than -O2 is the
     # attention's key-tile dot product (its accumulators stay in registers only when its
     # constant-trip loops are unrolled completely), and -fpeel-loops gives it that.
-    if "${CXX:-c++}" -dM -E -x c++ /dev/null 2>/dev/null | grep -q '^#define __GNUC__' &&
-      ! "${CXX:-c++}" -dM -E -x c++ /dev/null 2>/dev/null | grep -q '^#define __clang__'; then
+    local macros
+    macros="$("${CXX:-c++}" -dM -E -x c++ /dev/null 2>/dev/null || true)"
+    if grep -q '^#define __GNUC__' <<<"$macros" && ! grep -q '^#define __clang__' <<<"$macros"; then
       args+=("-DCMAKE_CXX_FLAGS_RELEASE=-O2 -fpeel-loops -DNDEBUG")
     fi
     if [[ -n "${LLMPAR_CMAKE_ARGS:-}" ]]; then
