@@ -3,10 +3,13 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <sstream>
 #include <string>
+#include <string_view>
 
 #include "llmpar/config.hpp"
 #include "llmpar/core/crc32c.hpp"
@@ -148,6 +151,32 @@ TEST_CASE("LLMPAR_CHECK names file, line, values and the failed expression") {
     CHECK(what.find("dim % heads == 0") != std::string::npos);
     CHECK(e.line() > 0);
   }
+}
+
+namespace {
+struct Streamed {
+  int v;
+};
+std::ostream& operator<<(std::ostream& os, const Streamed& s) { return os << "Streamed(" << s.v << ")"; }
+}  // namespace
+
+TEST_CASE("detail::concat prints every kind of message part as an ostream would") {
+  const std::string text = "str";
+  const std::string_view view = "view";
+  const char* no_text = nullptr;
+  std::ostringstream os;
+  os << "lit" << text << view << 'c' << true << false << static_cast<signed char>('s')
+     << static_cast<unsigned char>('u') << short{-3} << -42 << std::numeric_limits<std::int64_t>::min()
+     << std::numeric_limits<std::uint64_t>::max() << std::size_t{7} << 0.1f << -2.5e-7 << Streamed{9};
+  CHECK(detail::concat("lit", text, view, 'c', true, false, static_cast<signed char>('s'),
+                       static_cast<unsigned char>('u'), short{-3}, -42, std::numeric_limits<std::int64_t>::min(),
+                       std::numeric_limits<std::uint64_t>::max(), std::size_t{7}, 0.1f, -2.5e-7,
+                       Streamed{9}) == os.str());
+  CHECK(detail::concat("a", no_text, "b") == "ab");
+  // Literals of other lengths and integers of other widths give the same message shape.
+  CHECK(detail::concat("rank ", 3u, " of ", std::int16_t{4}) == "rank 3 of 4");
+  CHECK_THROWS_WITH_AS(LLMPAR_FAIL("width ", std::uint16_t{65535}, ", scale ", 0.5f),
+                       doctest::Contains("width 65535, scale 0.5"), Error);
 }
 
 TEST_CASE("llmpar::kVersion is the project VERSION of CMakeLists.txt (checkpoints record it)") {
