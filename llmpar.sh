@@ -118,16 +118,6 @@ configure() {
     else
       args+=(-DCMAKE_CUDA_ARCHITECTURES=90a-virtual)
     fi
-    # GCC at -O2 with -fpeel-loops, not CMake's -O3: the largest translation units
-    # compile in 20-35% less time and the step runs as fast (docs/benchmarks.md, "Build
-    # flags", has the figures). The one loop nest that needs more than -O2 is the
-    # attention's key-tile dot product (its accumulators stay in registers only when its
-    # constant-trip loops are unrolled completely), and -fpeel-loops gives it that.
-    local macros
-    macros="$("${CXX:-c++}" -dM -E -x c++ /dev/null 2>/dev/null || true)"
-    if grep -q '^#define __GNUC__' <<<"$macros" && ! grep -q '^#define __clang__' <<<"$macros"; then
-      args+=("-DCMAKE_CXX_FLAGS_RELEASE=-O2 -fpeel-loops -DNDEBUG")
-    fi
     if [[ -n "${LLMPAR_CMAKE_ARGS:-}" ]]; then
       local extra
       read -r -a extra <<<"$LLMPAR_CMAKE_ARGS"

@@ -81,19 +81,19 @@ std::string concat_parts(const Parts&... parts) {
 // A message part in its canonical type, so that messages of one shape share one
 // instantiation of throw_parts whatever the lengths of their literals or the widths of
 // their integers: text becomes const char* or string_view, integers (long) long, floating
-// point double; other types stay as they are, by reference.
+// point double; other types (bool and the characters, which print as themselves, among
+// them) stay as they are, by reference.
 template <class T>
 decltype(auto) part(const T& v) {
+  constexpr bool kCharacter = std::is_same_v<T, bool> || std::is_same_v<T, char> || std::is_same_v<T, signed char> ||
+                              std::is_same_v<T, unsigned char>;
   if constexpr (std::is_convertible_v<const T&, const char*>) {
     return static_cast<const char*>(v);
   } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
     return std::string_view(v);
-  } else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, char> || std::is_same_v<T, signed char> ||
-                       std::is_same_v<T, unsigned char>) {
-    return v;
-  } else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+  } else if constexpr (std::is_integral_v<T> && !kCharacter && std::is_signed_v<T>) {
     return static_cast<long long>(v);
-  } else if constexpr (std::is_integral_v<T>) {
+  } else if constexpr (std::is_integral_v<T> && !kCharacter) {
     return static_cast<unsigned long long>(v);
   } else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
     return static_cast<double>(v);
