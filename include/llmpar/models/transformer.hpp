@@ -181,15 +181,12 @@ pipeline::Partition partition_of(const Config& cfg, const parallel::LayoutConfig
   }
 }
 
-template <class X, class BackendArg, class Spec>
-class Transformer {
-  using Types = detail::ModelTypes<X, BackendArg>;
-  using T = typename Types::T;
-  using Backend = typename Types::Backend;
-
+// The model's code, a function of its storage type, backend and Spec alone: models of
+// one (T, Backend, Spec) under different composed policies (one per ZeRO stage, say)
+// share it, and Transformer adds the Policy only.
+template <class T, class Backend, class Spec>
+class TransformerCore {
  public:
-  // The composed policy the model was declared with (void when declared by storage type).
-  using Policy = typename Types::Policy;
   using Acc = typename Backend::template Acc<T>;
   using Context = typename Backend::Context;
   using Space = typename Backend::Space;
@@ -243,7 +240,7 @@ class Transformer {
   // split as they are written to, the token table, LM head and loss split the
   // vocabulary; the position table and the final norm are whole on every rank.
   // placement: the pipeline chunks this rank holds (default: the whole model).
-  Transformer(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {},
+  TransformerCore(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {},
               pipeline::Placement placement = {})
       : cfg_((cfg.validate(), cfg)),
         tp_(tp),
@@ -276,15 +273,15 @@ class Transformer {
   }
   // This rank's model of `grid`: split over grid.tp(), holding pipeline stage
   // grid.coords().pp's layers of an even partition, no sequence parallelism.
-  Transformer(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid)
-      : Transformer(cfg, seed, grid, layout_of_grid(grid)) {}
+  TransformerCore(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid)
+      : TransformerCore(cfg, seed, grid, layout_of_grid(grid)) {}
   // This rank's model of `grid` at `layout` (its tp and pp those of the grid): split
   // over grid.tp() with the layout's sequence parallelism, holding pipeline stage
   // grid.coords().pp's chunks of the layout's partition and virtual stages.
-  Transformer(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid, const parallel::LayoutConfig& layout)
-      : Transformer(cfg, seed, nn::TensorParallelGroup(&grid.tp(), layout.sp), placement_of(cfg, grid, layout)) {}
-  Transformer(const Transformer&) = delete;
-  Transformer& operator=(const Transformer&) = delete;
+  TransformerCore(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid, const parallel::LayoutConfig& layout)
+      : TransformerCore(cfg, seed, nn::TensorParallelGroup(&grid.tp(), layout.sp), placement_of(cfg, grid, layout)) {}
+  TransformerCore(const TransformerCore&) = delete;
+  TransformerCore& operator=(const TransformerCore&) = delete;
 
   // ---- the whole model in one call (no pipeline): the one-stage schedule on a stash of
   // the model's own.
@@ -705,6 +702,20 @@ class Transformer {
   typename Block::Saved recompute_saved_;  // full recomputation: the one block's Saved being rebuilt
   Buffer<T, Space> recompute_out_;         // (Rl, C) its (discarded) output
   detail::BlockScratch<T, Space> scratch_;
+};
+
+// A model: the Transformer of Spec's blocks over storage type X and BackendArg, or of a
+// composed policy X (detail::ModelTypes), which it keeps as its Policy for the Trainer.
+template <class X, class BackendArg, class Spec>
+class Transformer
+    : public TransformerCore<typename detail::ModelTypes<X, BackendArg>::T,
+                             typename detail::ModelTypes<X, BackendArg>::Backend, Spec> {
+ public:
+  using Core = TransformerCore<typename detail::ModelTypes<X, BackendArg>::T,
+                               typename detail::ModelTypes<X, BackendArg>::Backend, Spec>;
+  // The composed policy the model was declared with (void when declared by storage type).
+  using Policy = typename detail::ModelTypes<X, BackendArg>::Policy;
+  using Core::Core;
 };
 
 }  // namespace llmpar::models

@@ -107,4 +107,20 @@ consteval bool check_model() {
   return true;
 }
 
+// The type whose code a model runs: its Core where the model adds only a composed
+// policy to one (models::Transformer), else the model itself. What is instantiated per
+// model and reads nothing of the policy (pipeline::Executor) takes it, so models that
+// differ in the policy alone (one per ZeRO stage) share that code.
+template <class M>
+struct CoreOf {
+  using type = M;
+};
+template <class M>
+  requires std::derived_from<M, typename M::Core>
+struct CoreOf<M> {
+  using type = typename M::Core;
+};
+template <class M>
+using core_of_t = typename CoreOf<M>::type;
+
 }  // namespace llmpar::nn

@@ -149,7 +149,7 @@ class Trainer {
   using Precision = typename Policy::precision;
   using Scaler = precision::ScalerFor<Precision>;
   using Sync = parallel::GradSync<Model, Policy::kZeroStage>;
-  using Executor = pipeline::Executor<Model>;
+  using Executor = pipeline::Executor<nn::core_of_t<Model>>;  // one per model code, whatever the policy
   static_assert(pipeline::check_model<Model>());
   static_assert(std::is_same_v<PolicyOf<Model>, Policy> || !detail::DeclaresPolicy<Model>,
                 "llmpar::train::Trainer: the model was declared with another composed policy; name the policy "
