@@ -28,6 +28,76 @@
 using namespace llmpar;
 using train_gpt::Options;
 
+namespace train_gpt {
+
+Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead) {
+  auto say = [&](auto... args) {
+    if (lead) std::printf(args...);
+  };
+  Datasets sets;
+  if (o.data.empty()) {
+    const data::TextCorpus corpus = data::load_text_corpus();
+    say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
+        corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
+        static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
+    LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
+                 ", the model has ", cfg.vocab);
+    sets.train.emplace(data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)"));
+    sets.val.emplace(data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)"));
+  } else {
+    sets.train.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
+    sets.val.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? data::val_pattern_of(o.data) : o.val_data,
+                                                     static_cast<int>(cfg.vocab)));
+    say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(sets.train->num_tokens()),
+        sets.train->num_shards(), static_cast<long long>(sets.val->num_tokens()));
+  }
+  return sets;
+}
+
+nlohmann::json config_record(const Options& o, const models::GPT2Config& cfg, const RunFacts& f) {
+  return {{"type", "config"},
+          {"model", o.model},
+          {"layers", cfg.layers},
+          {"heads", cfg.heads},
+          {"dim", cfg.dim},
+          {"seq", f.seq},
+          {"vocab", cfg.vocab},
+          {"padded_vocab", cfg.padded_vocab},
+          {"init_std", cfg.init_std},
+          {"mup", cfg.mup},
+          {"mup_base_dim", cfg.mup_base_dim},
+          {"parameters", f.parameters},
+          {"ranks", f.ranks},
+          {"tp", o.tp},
+          {"sp", o.sp},
+          {"pp", o.pp},
+          {"schedule", o.schedule},
+          {"virtual_stages", o.virtual_stages},
+          {"partition", f.partition},
+          {"recompute", o.recompute},
+          {"dp", f.dp},
+          {"zero", o.zero},
+          {"micro_batch", o.batch},
+          {"grad_accum", f.grad_accum},
+          {"global_batch", f.global_batch},
+          {"bucket_mb", o.bucket_mb},
+          {"overlap", o.overlap},
+          {"steps", o.steps},
+          {"lr", o.lr},
+          {"warmup", f.warmup},
+          {"final_lr", o.final_lr},
+          {"beta1", o.beta1},
+          {"beta2", o.beta2},
+          {"seed", o.seed},
+          {"precision", o.precision},
+          {"policy", f.policy},
+          {"backend", f.backend},
+          {"peak_gflops", f.peak_gflops},
+          {"peak_source", f.peak_source}};
+}
+
+}  // namespace train_gpt
+
 #if defined(LLMPAR_TRAIN_GPT_CUDA)
 namespace train_gpt {
 // train_gpt_cuda.cpp: one rank's run on backend::Cuda, with this rank's GPU.

@@ -57,6 +57,29 @@ inline std::optional<Peak> given_peak(const Options& o) {
 // rank calls it together, before the first step.
 using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp)>;
 
+// The training and validation data: token shards, or the embedded corpus (announced by
+// rank 0, `lead`). In train_gpt.cpp, like everything here that is the same for every
+// policy: compiled once, not once per policy.
+struct Datasets {
+  std::optional<data::TokenDataset> train, val;
+};
+Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead);
+
+// What a run's first metrics record says besides the flags.
+struct RunFacts {
+  std::int64_t seq = 0, parameters = 0;
+  int ranks = 1;
+  std::string partition;
+  int dp = 1;
+  std::int64_t grad_accum = 1, global_batch = 0, warmup = 0;
+  const char* policy = "";
+  const char* backend = "";
+  double peak_gflops = 0.0;
+  std::string peak_source;
+};
+// The metrics log's "config" record: the model, the layout and the run's settings.
+nlohmann::json config_record(const Options& o, const models::GPT2Config& cfg, const RunFacts& f);
+
 // One rank's training run at `layout` (validated: layout_of) under the composed policy
 // `Policy` it names (parallel::dispatch: its backend, precision and ZeRO stage).
 template <class Policy>
@@ -72,24 +95,7 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
   const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
 
-  // Data: token shards, or the embedded corpus.
-  std::optional<data::TokenDataset> train_set, val_set;
-  if (o.data.empty()) {
-    const data::TextCorpus corpus = data::load_text_corpus();
-    say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
-        corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
-        static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
-    LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
-                 ", the model has ", cfg.vocab);
-    train_set.emplace(data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)"));
-    val_set.emplace(data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)"));
-  } else {
-    train_set.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
-    val_set.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? data::val_pattern_of(o.data) : o.val_data,
-                                                    static_cast<int>(cfg.vocab)));
-    say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(train_set->num_tokens()),
-        train_set->num_shards(), static_cast<long long>(val_set->num_tokens()));
-  }
+  Datasets sets = load_datasets(o, cfg, lead);
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
   comm::Grid grid(world, {.tp = layout.tp, .pp = layout.pp});
@@ -103,8 +109,8 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   data::LoaderConfig val_lc = lc;
   val_lc.rank = grid.dp().rank();
   val_lc.world = grid.dp().size();
-  data::DataLoader train_loader(*train_set, train_lc);
-  data::DataLoader val_loader(*val_set, val_lc);
+  data::DataLoader train_loader(*sets.train, train_lc);
+  data::DataLoader val_loader(*sets.val, val_lc);
 
   // This rank's share of the model: its tp split (and sp) and its pipeline chunks.
   models::GPT2<Policy> model(cfg, o.seed, grid, layout);
@@ -149,45 +155,19 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   say("MFU peak: %s\n", peak.source.c_str());
 
   train::MetricsWriter metrics(lead ? o.metrics : std::string(), /*append=*/resume.has_value());
-  metrics.write({{"type", "config"},
-                 {"model", o.model},
-                 {"layers", cfg.layers},
-                 {"heads", cfg.heads},
-                 {"dim", cfg.dim},
-                 {"seq", seq},
-                 {"vocab", cfg.vocab},
-                 {"padded_vocab", cfg.padded_vocab},
-                 {"init_std", cfg.init_std},
-                 {"mup", cfg.mup},
-                 {"mup_base_dim", cfg.mup_base_dim},
-                 {"parameters", model.num_parameters()},
-                 {"ranks", world.size()},
-                 {"tp", o.tp},
-                 {"sp", o.sp},
-                 {"pp", o.pp},
-                 {"schedule", o.schedule},
-                 {"virtual_stages", o.virtual_stages},
-                 {"partition", placement.partition.describe()},
-                 {"recompute", o.recompute},
-                 {"dp", grid.dp().size()},
-                 {"zero", o.zero},
-                 {"micro_batch", o.batch},
-                 {"grad_accum", accum},
-                 {"global_batch", global_batch},
-                 {"bucket_mb", o.bucket_mb},
-                 {"overlap", o.overlap},
-                 {"steps", o.steps},
-                 {"lr", o.lr},
-                 {"warmup", warmup},
-                 {"final_lr", o.final_lr},
-                 {"beta1", o.beta1},
-                 {"beta2", o.beta2},
-                 {"seed", o.seed},
-                 {"precision", o.precision},
-                 {"policy", Policy::kName},
-                 {"backend", B::kName},
-                 {"peak_gflops", peak.gflops},
-                 {"peak_source", peak.source}});
+  metrics.write(config_record(o, cfg,
+                              {.seq = seq,
+                               .parameters = model.num_parameters(),
+                               .ranks = world.size(),
+                               .partition = placement.partition.describe(),
+                               .dp = grid.dp().size(),
+                               .grad_accum = accum,
+                               .global_batch = global_batch,
+                               .warmup = warmup,
+                               .policy = Policy::kName,
+                               .backend = B::kName,
+                               .peak_gflops = peak.gflops,
+                               .peak_source = peak.source}));
 
   const optim::AdamWConfig opt{
       .lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .weight_decay = o.weight_decay, .grad_clip = o.grad_clip};
