@@ -16,8 +16,8 @@ list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/backend/cuda/")
 # comm/mpi_comm.hpp and the MPI machinery it shares with NcclComm (comm/detail/mpi.hpp)
 # need mpi.h, which the llmpar target provides only with LLMPAR_MPI.
 if(NOT LLMPAR_MPI)
-  list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/(mpi_comm|detail/mpi)\\.hpp$")
-  message(STATUS "header_check: llmpar/comm/mpi_comm.hpp and llmpar/comm/detail/mpi.hpp skipped (LLMPAR_MPI is "
+  list(FILTER llmpar_public_headers EXCLUDE REGEX "^llmpar/comm/(mpi_comm|mpi_comm-inl|detail/mpi)\\.hpp$")
+  message(STATUS "header_check: llmpar/comm/mpi_comm.hpp, mpi_comm-inl.hpp and detail/mpi.hpp skipped (LLMPAR_MPI is "
     "OFF, so there is no mpi.h)")
 endif()
 # comm/nccl_comm.hpp needs CUDA, NCCL and MPI (llmpar::cuda with LLMPAR_NCCL): it is checked
@@ -55,7 +55,12 @@ function(llmpar_header_sources out_var extension)
   set(${out_var} ${sources} PARENT_SCOPE)
 endfunction()
 
-llmpar_header_sources(header_check_sources cpp ${llmpar_public_headers})
+# A -inl.hpp (the bodies of its header, config.hpp) needs no check of its own: its
+# header includes it, so the header's check compiles it (header-only). Every program of
+# this project compiles the headers the other way, with LLMPAR_COMPILED.
+set(llmpar_standalone_headers ${llmpar_public_headers})
+list(FILTER llmpar_standalone_headers EXCLUDE REGEX "-inl\\.hpp$")
+llmpar_header_sources(header_check_sources cpp ${llmpar_standalone_headers})
 set(all_includes "")
 foreach(header IN LISTS llmpar_public_headers)
   string(APPEND all_includes "#include <${header}>\n")

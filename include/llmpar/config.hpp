@@ -13,6 +13,25 @@
 #define LLMPAR_HOST_DEVICE inline
 #endif
 
+// Two ways to compile llmpar's host code. Header-only (the default): every
+// translation unit compiles what it calls. Compiled: a program defines LLMPAR_COMPILED
+// in every translation unit and links llmpar's compiled part (src/, the CMake target
+// llmpar_compiled), which holds the policy-independent code once: the CPU kernels for
+// float, bf16 and f16 (backend/cpu/instances.hpp declares them `extern template`) and
+// the bodies that headers keep in a `-inl.hpp` file (included by the header unless
+// LLMPAR_COMPILED is defined). Those bodies are LLMPAR_INLINE: `inline` when a header
+// includes them, and ordinary definitions in the one source of src/ that compiles them
+// (a program defining LLMPAR_COMPILED includes no `-inl.hpp` file itself). What is
+// compiled once must mean the same in every translation unit of the program, whatever
+// the unit's engines: no body there takes a comm::Comm, whose alternatives depend on
+// LLMPAR_WITH_MPI and LLMPAR_WITH_NCCL (comm/init.hpp), which a CUDA program's units set
+// and its CPU units may not.
+#if defined(LLMPAR_COMPILED)
+#define LLMPAR_INLINE
+#else
+#define LLMPAR_INLINE inline
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 // A function on an error path: optimised for size, never inlined into its callers.
 #define LLMPAR_COLD __attribute__((cold, noinline))

@@ -20,6 +20,7 @@
 #include "llmpar/backend/cpu/embedding.hpp"
 #include "llmpar/backend/cpu/gelu.hpp"
 #include "llmpar/backend/cpu/gemm.hpp"
+#include "llmpar/backend/cpu/instances.hpp"
 #include "llmpar/backend/cpu/layernorm.hpp"
 #include "llmpar/backend/cpu/reduce.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
