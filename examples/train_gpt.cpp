@@ -34,7 +34,7 @@ Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lea
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
   };
-  Datasets sets;
+  const int vocab = static_cast<int>(cfg.vocab);
   if (o.data.empty()) {
     const data::TextCorpus corpus = data::load_text_corpus();
     say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
@@ -42,15 +42,13 @@ Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lea
         static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
     LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
                  ", the model has ", cfg.vocab);
-    sets.train.emplace(data::TokenDataset::from_tokens(corpus.train, static_cast<int>(cfg.vocab), "fortunes (train)"));
-    sets.val.emplace(data::TokenDataset::from_tokens(corpus.val, static_cast<int>(cfg.vocab), "fortunes (val)"));
-  } else {
-    sets.train.emplace(data::TokenDataset::from_shards(o.data, static_cast<int>(cfg.vocab)));
-    sets.val.emplace(data::TokenDataset::from_shards(o.val_data.empty() ? data::val_pattern_of(o.data) : o.val_data,
-                                                     static_cast<int>(cfg.vocab)));
-    say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(sets.train->num_tokens()),
-        sets.train->num_shards(), static_cast<long long>(sets.val->num_tokens()));
+    return {data::TokenDataset::from_tokens(corpus.train, vocab, "fortunes (train)"),
+            data::TokenDataset::from_tokens(corpus.val, vocab, "fortunes (val)")};
   }
+  Datasets sets{data::TokenDataset::from_shards(o.data, vocab),
+                data::TokenDataset::from_shards(o.val_data.empty() ? data::val_pattern_of(o.data) : o.val_data, vocab)};
+  say("data: %lld train tokens in %zu shards, %lld val tokens\n", static_cast<long long>(sets.train.num_tokens()),
+      sets.train.num_shards(), static_cast<long long>(sets.val.num_tokens()));
   return sets;
 }
 

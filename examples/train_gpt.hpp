@@ -61,7 +61,7 @@ using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg
 // rank 0, `lead`). In train_gpt.cpp, like everything here that is the same for every
 // policy: compiled once, not once per policy.
 struct Datasets {
-  std::optional<data::TokenDataset> train, val;
+  data::TokenDataset train, val;
 };
 Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead);
 
@@ -109,8 +109,8 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   data::LoaderConfig val_lc = lc;
   val_lc.rank = grid.dp().rank();
   val_lc.world = grid.dp().size();
-  data::DataLoader train_loader(*sets.train, train_lc);
-  data::DataLoader val_loader(*sets.val, val_lc);
+  data::DataLoader train_loader(sets.train, train_lc);
+  data::DataLoader val_loader(sets.val, val_lc);
 
   // This rank's share of the model: its tp split (and sp) and its pipeline chunks.
   models::GPT2<Policy> model(cfg, o.seed, grid, layout);
