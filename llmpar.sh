@@ -109,14 +109,16 @@ configure() {
     # the CUDA code is only compiled, to check it (GPU tests skip): to PTX for sm_90a
     # (H100/H200, what gpu-pack ships), without the ptxas pass that turns it into
     # machine code, which nothing here could run (ops_float.cu: 16.2 s against 20.1 s
-    # with it, on one core of a 2-core Xeon). gpu-pack compiles the machine code
+    # with it, on one core of a 2-core Xeon), and unoptimised (LLMPAR_CUDA_CHECK_ONLY:
+    # tests/cuda/test_cuda_attention.cu in 12 s against 66 s, on the 2-core AMD EPYC of
+    # docs/benchmarks.md, "Build time"). gpu-pack compiles optimised machine code
     # (tools/gpu.sh), and with it ptxas's resource checks. Name others in
     # LLMPAR_CMAKE_ARGS, e.g. -DCMAKE_CUDA_ARCHITECTURES=80;90a (the library's own
     # default) for machine code for A100s and H100s.
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       args+=(-DCMAKE_CUDA_ARCHITECTURES=native)
     else
-      args+=(-DCMAKE_CUDA_ARCHITECTURES=90a-virtual)
+      args+=(-DCMAKE_CUDA_ARCHITECTURES=90a-virtual -DLLMPAR_CUDA_CHECK_ONLY=ON)
     fi
     if [[ -n "${LLMPAR_CMAKE_ARGS:-}" ]]; then
       local extra

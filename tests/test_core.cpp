@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -180,9 +181,11 @@ TEST_CASE("detail::concat prints every kind of message part as an ostream would"
 }
 
 TEST_CASE("llmpar::kVersion is the project VERSION of CMakeLists.txt (checkpoints record it)") {
-  std::ifstream in(std::string(LLMPAR_SOURCE_DIR) + "/CMakeLists.txt");
+  std::ifstream in(std::filesystem::path(LLMPAR_SOURCE_DIR) / "CMakeLists.txt");
   const std::string text{std::istreambuf_iterator<char>(in), {}};
-  CHECK(text.find(std::string("project(llmpar VERSION ") + kVersion + " ") != std::string::npos);
+  std::string line = "project(llmpar VERSION ";
+  line.append(kVersion).append(" ");
+  CHECK(text.find(line) != std::string::npos);
 }
 
 TEST_CASE("crc32c: the standard check value, chunked the same as whole, and every single-bit flip detected") {

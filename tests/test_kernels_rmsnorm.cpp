@@ -30,7 +30,7 @@ namespace {
 // RMSNorm's eps as the kernels receive it (a float).
 constexpr double kEps = static_cast<double>(1e-5f);
 
-struct Shape {
+struct Dims {
   std::int64_t rows, C;
 };
 
@@ -66,8 +66,8 @@ void rmsnorm_reference(std::vector<double>& out, std::vector<double>& rstd, cons
 
 TEST_CASE_TEMPLATE("rmsnorm_forward matches the naive reference, on ragged shapes", T, double, float) {
   const double tol = std::is_same_v<T, double> ? 1e-13 : 2e-6;
-  for (const Shape s :
-       {Shape{1, 1}, Shape{1, 7}, Shape{3, 13}, Shape{2, 64}, Shape{5, 257}, Shape{4, 300}, Shape{2, 1029}}) {
+  for (const Dims s :
+       {Dims{1, 1}, Dims{1, 7}, Dims{3, 13}, Dims{2, 64}, Dims{5, 257}, Dims{4, 300}, Dims{2, 1029}}) {
     CAPTURE(s.rows);
     CAPTURE(s.C);
     const std::string tag = std::to_string(s.rows) + "x" + std::to_string(s.C);
@@ -102,7 +102,7 @@ TEST_CASE("rmsnorm_forward of an all-zero row is zero with rstd = 1/sqrt(eps), a
 }
 
 TEST_CASE("rmsnorm_backward matches finite differences in double; dx overwritten, dweight accumulated") {
-  for (const Shape s : {Shape{1, 1}, Shape{1, 5}, Shape{3, 13}, Shape{2, 70}}) {
+  for (const Dims s : {Dims{1, 1}, Dims{1, 5}, Dims{3, 13}, Dims{2, 70}}) {
     CAPTURE(s.rows);
     CAPTURE(s.C);
     const std::string tag = std::to_string(s.rows) + "x" + std::to_string(s.C);

@@ -11,7 +11,6 @@
 
 #include "llmpar/pipeline/schedule.hpp"
 
-using namespace llmpar;
 using namespace llmpar::pipeline;
 
 namespace {
