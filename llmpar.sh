@@ -269,7 +269,9 @@ cmd_build() {
 cmd_install() {
   (($# == 1)) || die "usage: ./llmpar.sh install PREFIX"
   setup
-  build
+  # What is installed, and nothing else: the headers and the CMake package need no
+  # build; the three programs do.
+  build --target train_gpt prepare_data llmpar_plan
   cmake --install "$build_dir" --prefix "$1"
 }
 

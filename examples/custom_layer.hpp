@@ -44,8 +44,10 @@
 //  - The model around the blocks is llmpar's (models::Transformer): a LlamaSpec of a
 //    dozen lines names the block, the final norm and the parameter names.
 //
-// The user's own code here is rotary position embeddings (Su et al. 2021) and the
-// SwiGLU activation (Shazeer 2020), each with its exact backward. It runs in plain host
+// Example 04 of examples/README.md: the whole block by hand, where 01 and 02 build
+// theirs from llmpar's parts (models::PreNormBlock). The user's own code here is rotary
+// position embeddings (Su et al. 2021; examples/common/rotary.hpp, shared with 02) and
+// the SwiGLU activation (Shazeer 2020), each with its exact backward. It runs in plain host
 // loops, so the block is for backends whose memory the host can read (backend::Cpu); on
 // the CUDA backend the same two functions would be small kernels, and the static_assert
 // in LlamaBlock says so.
@@ -60,7 +62,11 @@
 #include <string>
 #include <vector>
 
+#include "common/rotary.hpp"
+
 namespace custom_layer {
+
+using examples::Rotary;
 
 using namespace llmpar;
 
@@ -97,53 +103,6 @@ struct LlamaConfig {
 };
 
 // ---- The user's element-wise code ---------------------------------------------------
-
-// Rotary position embedding: in every head, channel pair (2i, 2i+1) of q and of k at
-// position t is rotated by the angle t · base^(-2i/hs). The score q_t · k_s then
-// depends on t - s only, which is how the model knows positions (it has no position
-// table). A rotation is orthogonal, so the backward is the rotation by the opposite
-// angle (the transpose), and nothing from the forward needs to be kept.
-template <class T>
-class Rotary {
- public:
-  Rotary(std::int64_t head_size, std::int64_t max_seq, double base)
-      : half_(head_size / 2), max_seq_(max_seq), cos_(static_cast<std::size_t>(max_seq * half_)), sin_(cos_.size()) {
-    for (std::int64_t t = 0; t < max_seq; ++t)
-      for (std::int64_t i = 0; i < half_; ++i) {
-        const double angle =
-            static_cast<double>(t) * std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(head_size));
-        cos_[static_cast<std::size_t>(t * half_ + i)] = static_cast<T>(std::cos(angle));
-        sin_[static_cast<std::size_t>(t * half_ + i)] = static_cast<T>(std::sin(angle));
-      }
-  }
-
-  enum class Direction { forward, backward };
-
-  // Rotates q and k of qkv (B, S, 3·Cl) in place, Cl = this rank's channels: q in
-  // [0, Cl), k in [Cl, 2Cl), v untouched. forward: by +angle (the forward pass);
-  // backward: by -angle, which carries dq and dk back through the forward rotation.
-  void rotate(T* qkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim, Direction direction) const {
-    LLMPAR_CHECK(seq <= max_seq_, "rotary embedding: sequence length ", seq, " is longer than the tables' ", max_seq_);
-    const T sign = direction == Direction::forward ? T(1) : T(-1);
-    const std::int64_t rows = batch * seq, pairs = local_dim / 2;  // pairs of q (and of k) per row
-#pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const T* c = cos_.data() + (r % seq) * half_;  // (hs/2) for this position
-      const T* s = sin_.data() + (r % seq) * half_;
-      for (T* x : {qkv + r * 3 * local_dim, qkv + r * 3 * local_dim + local_dim})  // q, then k
-        for (std::int64_t p = 0; p < pairs; ++p) {
-          const std::int64_t i = p % half_;  // the pair's index within its head
-          const T x0 = x[2 * p], x1 = x[2 * p + 1];
-          x[2 * p] = x0 * c[i] - sign * x1 * s[i];
-          x[2 * p + 1] = sign * x0 * s[i] + x1 * c[i];
-        }
-    }
-  }
-
- private:
-  std::int64_t half_, max_seq_;
-  std::vector<T> cos_, sin_;  // (max_seq, hs/2)
-};
 
 // SwiGLU: act = silu(gate) · up, silu(g) = g · σ(g). gate_up (rows, 2·Hl) holds, per
 // row, this rank's Hl gate units followed by the same Hl up units (ColumnParallelLinear

@@ -1,4 +1,4 @@
-// llmpar/kernels/elementwise.cuh — GELU, residual adds, scaling, bias add and bias
+// llmpar/kernels/elementwise.cuh — GELU, the gated linear units, residual adds, scaling, bias add and bias
 // gradient, the token + position embedding (forward and backward) and dtype conversion.
 //
 // The CUDA twins of backend/cpu/gelu.hpp, elementwise.hpp, bias.hpp and embedding.hpp.
@@ -310,6 +310,37 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     dwpe[i] = acc;
   }
 }
+// act[r, j] = gate(pre[r, j]) · pre[r, hidden + j]: one element of act per iteration,
+// computed as backend::cpu::glu_forward computes it (load to float, math::gate, one
+// rounding).
+template <math::Gate G, class T>
+__global__ void __launch_bounds__(kElementwiseThreads)
+    glu_forward_kernel(T* act, const T* pre, std::int64_t rows, std::int64_t hidden) {
+  const std::int64_t total = rows * hidden;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const std::int64_t r = i / hidden, j = i - r * hidden;
+    const T* g = pre + r * 2 * hidden;
+    act[i] = store<T>(math::gate<G>(load(g[j])) * load(g[hidden + j]));
+  }
+}
+
+// dpre[r, j] = dact · u · gate'(g), dpre[r, hidden + j] = dact · gate(g).
+template <math::Gate G, class T>
+__global__ void __launch_bounds__(kElementwiseThreads)
+    glu_backward_kernel(T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden) {
+  const std::int64_t total = rows * hidden;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const std::int64_t r = i / hidden, j = i - r * hidden;
+    const T* g = pre + r * 2 * hidden;
+    T* dg = dpre + r * 2 * hidden;
+    const float x = load(g[j]), dy = load(dact[i]);
+    dg[j] = store<T>(dy * load(g[hidden + j]) * math::gate_grad<G>(x));
+    dg[hidden + j] = store<T>(dy * math::gate<G>(x));
+  }
+}
+
 #endif  // __CUDACC__
 
 // Launches map_kernel, vectorized when every pointer is aligned to its pack.
@@ -380,6 +411,57 @@ void gelu_backward(cudaStream_t stream, T* dx, const T* x, const T* dout, std::i
   detail::ew::check_same_or_disjoint("gelu_backward", "dx", dx, "x", x, n * sizeof(T));
   detail::ew::check_same_or_disjoint("gelu_backward", "dx", dx, "dout", dout, n * sizeof(T));
   detail::ew::launch_map<T, T, 2>(stream, "gelu_backward", dx, x, dout, n, detail::ew::GeluBackwardOp<T>{});
+}
+
+namespace detail::ew {
+inline void check_glu(const char* op, const char* out_name, const void* out, std::size_t out_bytes, const char* in_name,
+                      const void* in, std::size_t in_bytes, std::int64_t rows, std::int64_t hidden) {
+  LLMPAR_CHECK(rows >= 0 && hidden >= 0, op, ": rows = ", rows, ", hidden = ", hidden, "; sizes must be >= 0");
+  LLMPAR_CHECK(!overlap(out, out_bytes, in, in_bytes), op, ": ", out_name, " overlaps ", in_name,
+               "; a gated unit's output and input must be disjoint buffers");
+}
+}  // namespace detail::ew
+
+// act (rows, hidden) = gate(g) · u, each row of pre (rows, 2·hidden) being the hidden
+// gate inputs g, then the hidden up values u (SwiGLU: Gate::silu, GeGLU: Gate::gelu).
+// act and pre are disjoint.
+template <Storage T>
+void glu_forward(cudaStream_t stream, T* act, const T* pre, std::int64_t rows, std::int64_t hidden, math::Gate gate) {
+  const std::size_t n = static_cast<std::size_t>(rows * hidden);
+  detail::ew::check_glu("glu_forward", "act", act, n * sizeof(T), "pre", pre, 2 * n * sizeof(T), rows, hidden);
+  if (n == 0) return;
+  detail::ew::check_pointer("glu_forward", "act", act);
+  detail::ew::check_pointer("glu_forward", "pre", pre);
+  const unsigned grid = detail::ew::grid_for(rows * hidden);
+  if (gate == math::Gate::silu)
+    detail::ew::glu_forward_kernel<math::Gate::silu>
+        <<<grid, detail::ew::kElementwiseThreads, 0, stream>>>(act, pre, rows, hidden);
+  else
+    detail::ew::glu_forward_kernel<math::Gate::gelu>
+        <<<grid, detail::ew::kElementwiseThreads, 0, stream>>>(act, pre, rows, hidden);
+  LLMPAR_CHECK_LAUNCH("glu_forward");
+}
+
+// dpre (rows, 2·hidden) = [dact · u · gate'(g), dact · gate(g)] per row (overwritten),
+// from dact (rows, hidden) and the forward's pre. dpre is disjoint from dact and pre.
+template <Storage T>
+void glu_backward(cudaStream_t stream, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
+                  math::Gate gate) {
+  const std::size_t n = static_cast<std::size_t>(rows * hidden);
+  detail::ew::check_glu("glu_backward", "dpre", dpre, 2 * n * sizeof(T), "pre", pre, 2 * n * sizeof(T), rows, hidden);
+  detail::ew::check_glu("glu_backward", "dpre", dpre, 2 * n * sizeof(T), "dact", dact, n * sizeof(T), rows, hidden);
+  if (n == 0) return;
+  detail::ew::check_pointer("glu_backward", "dpre", dpre);
+  detail::ew::check_pointer("glu_backward", "dact", dact);
+  detail::ew::check_pointer("glu_backward", "pre", pre);
+  const unsigned grid = detail::ew::grid_for(rows * hidden);
+  if (gate == math::Gate::silu)
+    detail::ew::glu_backward_kernel<math::Gate::silu>
+        <<<grid, detail::ew::kElementwiseThreads, 0, stream>>>(dpre, dact, pre, rows, hidden);
+  else
+    detail::ew::glu_backward_kernel<math::Gate::gelu>
+        <<<grid, detail::ew::kElementwiseThreads, 0, stream>>>(dpre, dact, pre, rows, hidden);
+  LLMPAR_CHECK_LAUNCH("glu_backward");
 }
 
 // out[i] = a[i] + b[i] (the residual connection). out, a, b: (n); out may equal a or b.

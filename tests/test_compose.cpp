@@ -19,7 +19,7 @@ using namespace llmpar;
 
 namespace {
 
-// The trainer sketch of DESIGN.md, with ZeRO stage 1 where it has 2 (a pipeline with
+// A trainer's policy sketch, with ZeRO stage 1 where it has 2 (a pipeline with
 // stage 2 or 3 fails to compile with a sentence saying why:
 // tests/compile_fail/pipeline_with_zero2.cpp), and without its tensor policy: sequence
 // parallelism is the layout's value (parallel::LayoutConfig::sp), not a type.
@@ -53,7 +53,7 @@ TEST_CASE("Compose fills every kind that is not given with its default") {
                                                  parallel::Data<zero::Stage<0>>, recompute::None>>);
 }
 
-TEST_CASE("Compose reads the built part of the DESIGN.md trainer sketch") {
+TEST_CASE("Compose reads the built part of a trainer's policy sketch") {
   static_assert(std::is_same_v<Sketch::backend, backend::Cpu>);
   static_assert(std::is_same_v<Sketch::precision, precision::BF16Mixed>);
   static_assert(std::is_same_v<Sketch::pipeline, parallel::Pipeline<schedule::OneFOneB>>);
@@ -145,7 +145,7 @@ TEST_CASE("precision policies name their storage, compute, gradient and master t
 
 namespace {
 
-// A user's layer as DESIGN.md has one: y = x * w elementwise over C = 1. Its Saved is
+// A user's layer as docs/design.md describes one: y = x * w elementwise over C = 1. Its Saved is
 // empty (backward needs only x, which the caller passes again).
 template <class T, class Backend>
 struct ScaleLayer {

@@ -6,6 +6,8 @@
 //     bf16/f16: the CPU kernel on the same rounded inputs, within 1 ulp of the storage
 //     type or that absolute bound), on the vectorized and the scalar path (a pointer
 //     offset by one element), and in place (out == x, dx == dout) with identical bits.
+//   - glu_forward / glu_backward (SwiGLU, GeGLU) agree with the CPU's glu kernels within
+//     GELU's tolerances; their host checks name overlapping buffers and negative sizes.
 //   - add, add_inplace, scale_inplace, bias_add, encoder_forward and convert round each
 //     element once, as the CPU does, so they must give the CPU's bits exactly.
 //   - bias_backward sums in a different grouping than the CPU kernel (row slices, then
@@ -54,6 +56,7 @@ using llmpar::f16;
 using llmpar::backend::cuda::DeviceBuffer;
 namespace kernels = llmpar::kernels;
 namespace cpu = llmpar::backend::cpu;
+namespace math = llmpar::math;
 namespace gpu_test = llmpar::gpu_test;
 
 using gpu_test::copy_out;
@@ -179,8 +182,15 @@ void host_checks() {
       "encoder_backward: workspace is nullptr", "encoder_backward without dwpe or workspace");
   expect_error([&] { kernels::encoder_backward<float>(nullptr, p, nullptr, p, tokens, p, 1, 4, 65535 * 128 + 1); },
                "encoder_backward: C = 8388481 exceeds", "encoder_backward without dwpe, too many columns");
+  expect_error([&] { kernels::glu_forward<float>(nullptr, p, p + 1, 2, 4, math::Gate::silu); },
+               "glu_forward: act overlaps pre", "glu_forward overlap");
+  expect_error([&] { kernels::glu_backward<float>(nullptr, p, p + 8, p + 16, -1, 4, math::Gate::gelu); },
+               "glu_backward: rows = -1, hidden = 4", "glu_backward with rows < 0");
+  expect_error([&] { kernels::glu_forward<float>(nullptr, nullptr, p, 2, 4, math::Gate::silu); },
+               "glu_forward: act is nullptr", "glu_forward without act");
   // Empty work launches nothing and needs no pointer.
   kernels::gelu_forward<float>(nullptr, nullptr, nullptr, 0);
+  kernels::glu_forward<float>(nullptr, nullptr, nullptr, 0, 5, math::Gate::silu);
   kernels::bias_add<bf16>(nullptr, nullptr, nullptr, 0, 5);
   kernels::encoder_backward<f16>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4, 8);
   kernels::encoder_forward<float>(nullptr, p, tokens, p, nullptr, 2, 0, 8, {16, 16});
@@ -573,9 +583,39 @@ void check_encoder_backward_slices(cudaStream_t stream) {
   }
 }
 
+// The gated units (SwiGLU, GeGLU), forward and backward, against backend/cpu/gelu.hpp's
+// glu kernels: the same tolerances as GELU (the same expf and FMA difference).
+template <class T>
+void check_glu(cudaStream_t stream) {
+  const float rel_tol = std::is_same_v<T, float> ? 1e-5f : 0.0f;
+  const float abs_tol = 2e-6f;
+  for (const std::int64_t rows : {1, 5, 1027})
+    for (const std::int64_t hidden : {1, 7, 771})
+      for (const math::Gate gate : {math::Gate::silu, math::Gate::gelu}) {
+        const std::int64_t n = rows * hidden;
+        const std::vector<T> pre = random_vector<T>(31 + n, 2 * n, 3.0);
+        const std::vector<T> dact = random_vector<T>(37 + n, n, 1.0);
+        DeviceBuffer<T> d_pre(2 * n, stream), d_dact(n, stream), d_act(n, stream), d_dpre(2 * n, stream);
+        copy_in(d_pre.data(), pre, stream);
+        copy_in(d_dact.data(), dact, stream);
+        kernels::glu_forward(stream, d_act.data(), d_pre.data(), rows, hidden, gate);
+        kernels::glu_backward(stream, d_dpre.data(), d_dact.data(), d_pre.data(), rows, hidden, gate);
+        std::vector<T> act_cpu(n), dpre_cpu(2 * n);
+        cpu::glu_forward(act_cpu.data(), pre.data(), rows, hidden, gate);
+        cpu::glu_backward(dpre_cpu.data(), dact.data(), pre.data(), rows, hidden, gate);
+        const std::int64_t far_a = count_far(copy_out(d_act.data(), n, stream), act_cpu, rel_tol, abs_tol, "glu");
+        const std::int64_t far_d = count_far(copy_out(d_dpre.data(), 2 * n, stream), dpre_cpu, rel_tol, abs_tol, "glu'");
+        report(far_a == 0 && far_d == 0, std::string("glu ") + (gate == math::Gate::silu ? "silu " : "gelu ") +
+                                             type_name<T>() + " rows=" + std::to_string(rows) +
+                                             " hidden=" + std::to_string(hidden) + ": " + std::to_string(far_a) +
+                                             " + " + std::to_string(far_d) + " beyond tolerance");
+      }
+}
+
 template <class T>
 void check_type(cudaStream_t stream) {
   check_gelu<T>(stream);
+  check_glu<T>(stream);
   check_add<T>(stream);
   check_bias_add<T>(stream);
   check_bias_backward<T>(stream);

@@ -22,6 +22,12 @@ function(run_step name)
 endfunction()
 
 run_step("install into ${prefix}" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+# The programs the install puts beside the package, and the shipped gradient checker.
+foreach(installed IN ITEMS bin/train_gpt bin/prepare_data bin/llmpar-plan include/llmpar/testing/gradcheck.hpp)
+  if(NOT EXISTS ${prefix}/${installed})
+    message(FATAL_ERROR "package_consumer: the install lacks ${installed}")
+  endif()
+endforeach()
 run_step("configure the consumer" ${CMAKE_COMMAND}
   -S ${CONSUMER_SOURCE_DIR} -B ${consumer_build} -G ${GENERATOR}
   -D CMAKE_BUILD_TYPE=Release

@@ -10,7 +10,7 @@
 # the named file, each line exactly as it is there (trailing blanks aside), in order. A
 # block that does not match fails, naming the block, the file and the first line that
 # has no match where it should. No compiling: the source files are compiled and run by
-# their own tests (example_custom_layer, test_custom_layer), so a README that matches
+# their own tests (example_minimal_trainer, example_swap_mlp), so a README that matches
 # them shows code that builds and trains.
 #
 # Before it checks the README, it checks itself: a copy of an excerpt with one line

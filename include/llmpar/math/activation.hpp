@@ -1,4 +1,5 @@
-// llmpar/math/activation.hpp — GELU (GPT-2's tanh approximation) and its derivative.
+// llmpar/math/activation.hpp — GELU (GPT-2's tanh approximation), SiLU, and the gates of
+// the gated linear units (SwiGLU, GeGLU), with their derivatives.
 //
 //   gelu(x) = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //
@@ -88,6 +89,43 @@ LLMPAR_HOST_DEVICE T gelu_tanh_grad(T x) {
   const detail::GeluParts<T> g = detail::gelu_parts(x);
   const T du_dx = kSqrt2OverPi * (static_cast<T>(1) + kCubic3 * x * x);
   return g.s + x * static_cast<T>(2) * g.s * g.one_minus_s * du_dx;
+}
+
+// SiLU (swish): x σ(x), σ(x) = 1 / (1 + e^-x). T is float or double.
+template <class T>
+LLMPAR_HOST_DEVICE T silu(T x) {
+  constexpr T kMaxExponent = static_cast<T>(std::is_same_v<T, float> ? 80 : 700);
+  const T e = math::exp(detail::clamp_magnitude(-x, kMaxExponent));
+  return x / (static_cast<T>(1) + e);
+}
+
+// d silu(x) / dx = σ (1 + x (1 - σ)), with 1 - σ computed as e σ (no cancellation).
+template <class T>
+LLMPAR_HOST_DEVICE T silu_grad(T x) {
+  constexpr T kMaxExponent = static_cast<T>(std::is_same_v<T, float> ? 80 : 700);
+  const T e = math::exp(detail::clamp_magnitude(-x, kMaxExponent));
+  const T s = static_cast<T>(1) / (static_cast<T>(1) + e);
+  return s * (static_cast<T>(1) + x * e * s);
+}
+
+// The gate of a gated linear unit (Shazeer 2020, "GLU Variants Improve Transformer"):
+// act = gate(g) · u over the two halves g, u of a projection. silu: SwiGLU (LLaMA);
+// gelu: GeGLU with GPT-2's tanh GELU (Gemma).
+enum class Gate : std::uint8_t { silu, gelu };
+
+template <Gate G, class T>
+LLMPAR_HOST_DEVICE T gate(T x) {
+  if constexpr (G == Gate::silu)
+    return silu(x);
+  else
+    return gelu_tanh(x);
+}
+template <Gate G, class T>
+LLMPAR_HOST_DEVICE T gate_grad(T x) {
+  if constexpr (G == Gate::silu)
+    return silu_grad(x);
+  else
+    return gelu_tanh_grad(x);
 }
 
 }  // namespace llmpar::math

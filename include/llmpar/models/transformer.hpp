@@ -6,9 +6,10 @@
 // final norm, whether positions come from a table, and the names; a Spec says those
 // (models::GPT2Spec in gpt2.hpp; examples/custom_layer.hpp has a user's), and this one
 // class is the rest. A block is any nn::Layer constructed as Block(name, config, tp)
-// (a TensorParallelGroup); it may also take the model's shared backward scratch
-// (use_scratch / backward(..., scratch)), report its own scratch_bytes(), and support
-// selective recomputation (set_selective_recompute).
+// (a TensorParallelGroup), which the model checks at compile time, naming what is
+// missing (detail::check_block). It may also take the model's shared scratch
+// (use_scratch, an nn::BlockScratch; backward(..., scratch)), report its own
+// scratch_bytes(), and support selective recomputation (set_selective_recompute).
 //
 //   struct Spec {
 //     using Config = ...;                  // layers, dim, max_seq, vocab, padded_vocab,
@@ -78,6 +79,7 @@
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/nn/layer.hpp"
 #include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/scratch.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
 #include "llmpar/nn/units.hpp"
 #include "llmpar/nn/vocab_parallel.hpp"
@@ -89,31 +91,21 @@ namespace llmpar::models {
 
 namespace detail {
 // Gradients that live only while one block's backward runs; shared by all blocks.
-// att_out and lse hold the attention core's outputs under selective recomputation.
 template <class T, class Space, class Acc = acc_t<T>>
-struct BlockScratch {
-  Buffer<T, Space> att_out;            // (rows, C/tp) selective recomputation only
-  Buffer<Acc, Space> lse;              // (B, NH/tp, S) selective recomputation only
-  Buffer<T, Space> wide0;              // (rows, 4C)
-  Buffer<T, Space> qkv;                // (rows, 3C)
-  Buffer<T, Space> c0, c1;             // (rows, C)
-  Buffer<T, Space> gathered, partial;  // (rows, C), sequence parallelism only: gathered
-                                       // rows and partial sums before a reduce-scatter
-  void reserve(std::int64_t rows, std::int64_t dim, bool sequence_parallel = false) {
-    wide0.reserve(rows * 4 * dim);
-    qkv.reserve(rows * 3 * dim);
-    c0.reserve(rows * dim);
-    c1.reserve(rows * dim);
-    if (sequence_parallel) {
-      gathered.reserve(rows * dim);
-      partial.reserve(rows * dim);
-    }
-  }
-  std::size_t bytes() const {
-    return wide0.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes() +
-           att_out.bytes() + lse.bytes();
-  }
-};
+using BlockScratch = nn::BlockScratch<T, Space, Acc>;
+
+// The block contract, checked where the Transformer takes a Spec's Block: an nn::Layer
+// of T on Backend (nn::check_layer names a missing member), constructed as
+// Block(name, config, tp).
+template <class Block, class Backend, class T, class Config>
+consteval bool check_block() {
+  static_assert(nn::check_layer<Block, Backend, T>());
+  static_assert(std::is_constructible_v<Block, const std::string&, const Config&, nn::TensorParallelGroup>,
+                "llmpar::models::Transformer: the Spec's Block cannot be constructed as Block(const std::string& "
+                "name, const Spec::Config& config, nn::TensorParallelGroup tp); give it that constructor (name "
+                "prefixes its parameters' names, tp is the group it splits over: {} when not split)");
+  return true;
+}
 
 // A block whose backward can leave its weight gradients for a later pass (the
 // zero-bubble schedule's W): a Deferred type, backward(..., scratch, Deferred*) and
@@ -195,6 +187,7 @@ class TransformerCore {
   using Config = typename Spec::Config;
   using Block = typename Spec::template Block<T, Backend>;
   using Norm = typename Spec::template Norm<T, Backend>;
+  static_assert(detail::check_block<Block, Backend, T, Config>());
   using Embedding = nn::VocabParallelEmbedding<T, Backend>;
   // A learned position table (GPT-2), or none (positions inside the blocks: rotary).
   static constexpr bool kPositionTable = Spec::kPositionTable != nullptr;

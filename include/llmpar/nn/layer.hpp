@@ -2,7 +2,7 @@
 //
 // A layer is a plain class with explicit forward and backward (no tape), one
 // parameters(visit) call, and a Saved type: what its forward keeps for its backward
-// (DESIGN.md, "Activations belong to a micro-batch, not to a layer"):
+// (docs/design.md, "Activations belong to a micro-batch, not to a layer"):
 //
 //   struct Saved { ...buffers...; std::size_t bytes() const; };
 //   void forward(Context& ctx, Saved& saved, T* out, const T* x, std::int64_t batch, std::int64_t seq);

@@ -145,6 +145,13 @@ class TensorParallelGroup {
                  " communicator cannot read; launch the ranks with mpirun on a build with NCCL");
   }
 
+  // Host-side communication reads what the kernels wrote: a split layer waits for them
+  // before it gathers or reduces (nothing when not split).
+  template <class Backend>
+  void wait_for_kernels(typename Backend::Context& ctx) const {
+    if (split()) Backend::synchronize(ctx);
+  }
+
   // A size that must divide by the group: fails naming the value, what it is and the degree.
   void check_divides(std::int64_t value, const char* what) const {
     LLMPAR_CHECK(value % size() == 0, what, " (", value, ") is not divisible by the tensor-parallel degree ", size(),

@@ -2,7 +2,7 @@
 // global-norm gradient clipping folded into the update, f32 master weights for 16-bit
 // models, and the inf/NaN check that lets a step be skipped.
 //
-// The optimizer is built for a shard (DESIGN.md): a list of segments of the store's
+// The optimizer is built for a shard (docs/design.md): a list of segments of the store's
 // buffers, the whole store without ZeRO, this rank's part of every bucket with it
 // (parallel/grad_sync.hpp). The moments (and, for a bf16/f16 store, the f32 master
 // weights) are laid out segment after segment, so one optimizer step streams the arrays

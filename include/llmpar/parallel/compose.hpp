@@ -1,6 +1,6 @@
 // llmpar/parallel/compose.hpp — the policy tags of a training run and Compose<Tags...>.
 //
-// "Policies at compile time, sizes at run time" (DESIGN.md): which algorithm each part of
+// "Policies at compile time, sizes at run time" (docs/design.md): which algorithm each part of
 // a run uses is a type, how many ranks each dimension gets comes from the launch (Grid).
 // A trainer names its policies once:
 //
@@ -23,7 +23,7 @@
 // (parallel::LayoutConfig, parallel/layout.hpp): a policy is a type only where it selects
 // code.
 //
-// A policy that is accepted does what it says (DESIGN.md); every tag here is built. A
+// A policy that is accepted does what it says (docs/design.md); every tag here is built. A
 // tag whose algorithm is not built yet would be rejected with a sentence saying so,
 // never trained as something else.
 //

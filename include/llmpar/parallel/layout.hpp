@@ -13,7 +13,7 @@
 //    one to one (its errors name them, --tp rather than `tp`, because those names are
 //    the layout's vocabulary everywhere, docs and planner included), and a C++ trainer
 //    fills the same fields.
-//  - Policies at compile time, sizes at run time (DESIGN.md): what changes code is a
+//  - Policies at compile time, sizes at run time (docs/design.md): what changes code is a
 //    type (the ZeRO stage and the precision: Compose<...>); the rest stays a value.
 //    Sequence parallelism is a value, as the schedule and the recomputation are: it
 //    decides which collectives a tensor-parallel region runs, a branch, and a type for

@@ -1,6 +1,6 @@
 // llmpar/precision/policy.hpp — the precision policy tags: FP32, BF16Mixed, FP16Mixed<Scaler>.
 //
-// A precision policy names five things (DESIGN.md, Precision): the type parameters are
+// A precision policy names five things (docs/design.md, "Precision"): the type parameters are
 // stored in (Param), the type activations and GEMM operands are computed in (Compute),
 // the type gradients are accumulated in (Grad), the type of the optimizer's master copy
 // of the weights (Master), and the loss scaler (LossScale, NoLossScale when there is

@@ -46,7 +46,7 @@ LLMPAR_INLINE void MetricsWriter::write_step(const StepStats& s) {
          {"grad_norm", s.grad_norm},
          {"ms", s.ms},
          {"tokens_per_s", s.tokens_per_s},
-         {"mfu", s.mfu},
+         {"mfu", s.mfu ? nlohmann::json(*s.mfu) : nlohmann::json(nullptr)},
          {"loss_scale", s.loss_scale},
          {"skipped", s.skipped},
          {"skipped_total", s.skipped_total},
@@ -65,10 +65,12 @@ LLMPAR_INLINE std::string format_step(const StepStats& s, std::int64_t total_ste
                   s.skipped_batches == 1 ? "" : "es");
     return line;
   }
+  char mfu[16] = "  n/a";  // no peak given or measured: no fraction of it
+  if (s.mfu) std::snprintf(mfu, sizeof mfu, "%5.1f%%", 100.0 * *s.mfu);
   int n = std::snprintf(line, sizeof line,
-                        "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %5.1f%%",
+                        "step %5lld/%lld | loss %.4f | lr %.3e | norm %.3f | %8.1f ms | %9.0f tok/s | MFU %s",
                         static_cast<long long>(s.step), static_cast<long long>(total_steps), s.loss, s.lr, s.grad_norm,
-                        s.ms, s.tokens_per_s, 100.0 * s.mfu);
+                        s.ms, s.tokens_per_s, mfu);
   if (s.bubble_ms > 0.0 && n > 0 && n < static_cast<int>(sizeof line))
     n += std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), " | bubble %4.1f%%",
                        100.0 * s.bubble_ms / s.ms);

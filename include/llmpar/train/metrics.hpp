@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "llmpar/core/error.hpp"
@@ -27,7 +28,7 @@ struct StepStats {
   double grad_norm = 0.0;
   double ms = 0.0;
   double tokens_per_s = 0.0;
-  double mfu = 0.0;                // fraction of the peak
+  std::optional<double> mfu;       // fraction of the peak; none when the peak is not known
   double loss_scale = 1.0;         // the loss scale this step's backward ran with (1 without a scaler)
   bool skipped = false;            // some gradient was inf/NaN: the update was not applied
   std::int64_t skipped_total = 0;  // skipped steps so far, this one included

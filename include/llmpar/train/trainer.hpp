@@ -81,7 +81,7 @@ enum class SnapshotScope { saved, held };
 
 struct TrainerConfig {
   std::int64_t steps = 100;
-  double peak_gflops = 0.0;                          // MFU denominator; 0 leaves MFU at 0
+  double peak_gflops = 0.0;                          // MFU denominator; 0: MFU n/a
   precision::DynamicLossScale::Config loss_scale{};  // FP16Mixed's scaler (unused otherwise)
   // The layout the run trains at (parallel/layout.hpp). The trainer runs its schedule,
   // chunks, recomputation, accumulation and gradient buckets, and checks that the rest

@@ -100,6 +100,18 @@ struct Cpu {
   static void gelu_backward(Context&, T* dx, const T* x, const T* dout, std::int64_t n) {
     cpu::gelu_backward(dx, x, dout, n);
   }
+  // act (rows, hidden) = gate(pre[:, :hidden]) · pre[:, hidden:]: a gated linear unit
+  // (SwiGLU, GeGLU) over the two halves of each row of pre (rows, 2·hidden).
+  template <class T>
+  static void glu_forward(Context&, T* act, const T* pre, std::int64_t rows, std::int64_t hidden, math::Gate gate) {
+    cpu::glu_forward(act, pre, rows, hidden, gate);
+  }
+  // dpre (rows, 2·hidden) from dact (rows, hidden) and the forward's pre (overwritten).
+  template <class T>
+  static void glu_backward(Context&, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
+                           math::Gate gate) {
+    cpu::glu_backward(dpre, dact, pre, rows, hidden, gate);
+  }
   template <class T>
   static void add_inplace(Context&, T* a, const T* b, std::int64_t n) {
     cpu::add_inplace(a, b, n);

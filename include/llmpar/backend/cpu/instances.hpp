@@ -86,6 +86,18 @@
                                     std::int64_t, GemmOp);                                                           \
   }
 
+// The gated units (SwiGLU, GeGLU) over T, compiled in a translation unit of their own
+// (src/cpu_kernels_glu.cpp): GELU and the gates share math::exp, and compiled beside
+// the other kernels they changed GCC's inlining of it there, which moved fp16 tp 2
+// runs of train_gpt by an ulp from step 5. Kept apart, the other kernels compile as
+// they did, and their numbers do not depend on what else a unit holds.
+#define LLMPAR_CPU_GLU_KERNELS_(MODE, T)                                                                             \
+  namespace llmpar::backend::cpu {                                                                                   \
+  MODE template void glu_forward<T>(T*, const T*, std::int64_t, std::int64_t, math::Gate);                           \
+  MODE template void glu_backward<T>(T*, const T*, const T*, std::int64_t, std::int64_t, math::Gate);               \
+  }
+#define LLMPAR_CPU_INSTANTIATE_GLU_KERNELS(T) LLMPAR_CPU_GLU_KERNELS_(, T)
+
 // LLMPAR_CPU_INSTANTIATE_KERNELS(T): compiles every CPU kernel over storage type T
 // (float, bf16 or f16, the last two unqualified) in this translation unit. Expand it at
 // global scope in one .cpp per type of a program whose translation units define
@@ -105,4 +117,7 @@ LLMPAR_CPU_KERNELS_(extern, bf16)
 LLMPAR_CPU_KERNELS_(extern, f16)
 LLMPAR_CPU_KERNELS_MAIN_GRAD_(extern, bf16)
 LLMPAR_CPU_KERNELS_MAIN_GRAD_(extern, f16)
+LLMPAR_CPU_GLU_KERNELS_(extern, float)
+LLMPAR_CPU_GLU_KERNELS_(extern, bf16)
+LLMPAR_CPU_GLU_KERNELS_(extern, f16)
 #endif

@@ -45,6 +45,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/math/activation.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/math/online_softmax.hpp"
 
@@ -191,6 +192,13 @@ struct Cuda {
   static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n);
   template <class T>
   static void gelu_backward(Context& ctx, T* dx, const T* x, const T* dout, std::int64_t n);
+  // act (rows, hidden) = gate(pre[:, :hidden]) · pre[:, hidden:] (SwiGLU, GeGLU), and its
+  // backward into dpre (rows, 2·hidden), overwritten.
+  template <class T>
+  static void glu_forward(Context& ctx, T* act, const T* pre, std::int64_t rows, std::int64_t hidden, math::Gate gate);
+  template <class T>
+  static void glu_backward(Context& ctx, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
+                           math::Gate gate);
   template <class T>
   static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n);
   // a (n) *= s.

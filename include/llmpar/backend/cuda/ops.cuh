@@ -78,6 +78,17 @@ void Cuda::gelu_backward(Context& ctx, T* dx, const T* x, const T* dout, std::in
 }
 
 template <class T>
+void Cuda::glu_forward(Context& ctx, T* act, const T* pre, std::int64_t rows, std::int64_t hidden, math::Gate gate) {
+  kernels::glu_forward(ctx.stream(), act, pre, rows, hidden, gate);
+}
+
+template <class T>
+void Cuda::glu_backward(Context& ctx, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
+                        math::Gate gate) {
+  kernels::glu_backward(ctx.stream(), dpre, dact, pre, rows, hidden, gate);
+}
+
+template <class T>
 void Cuda::add_inplace(Context& ctx, T* a, const T* b, std::int64_t n) {
   kernels::add_inplace(ctx.stream(), a, b, n);
 }
@@ -207,6 +218,8 @@ constexpr auto ops_of() {
                     &Cuda::attention_backward<T>,
                     &Cuda::gelu_forward<T>,
                     &Cuda::gelu_backward<T>,
+                    &Cuda::glu_forward<T>,
+                    &Cuda::glu_backward<T>,
                     &Cuda::add_inplace<T>,
                     &Cuda::scale_inplace<T>,
                     &Cuda::bias_backward<T>,
