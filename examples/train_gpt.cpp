@@ -276,11 +276,20 @@ int main(int argc, char** argv) {
   app.add_option("--spike-snapshot-every", o.spike.snapshot_every, "Steps between the in-memory snapshots")
       ->capture_default_str();
   app.add_option("--spike-skip", o.spike.skip_batches,
-                 "Steps' worth of data skipped after a spike's own (those since the snapshot are always skipped)")
+                 "Steps' worth of data skipped after a spike's own, at an incident's first rollback (those since "
+                 "the snapshot are always skipped)")
       ->capture_default_str();
-  app.add_option("--spike-max-rollbacks", o.spike.max_rollbacks, "Rollbacks allowed within --spike-rollback-window")
+  app.add_option("--spike-incident-steps", o.spike.incident_steps,
+                 "A spike within this many steps of the last rollback is the same incident (a bad stretch of data): "
+                 "its rollback skips twice the extra data of the one before")
       ->capture_default_str();
-  app.add_option("--spike-rollback-window", o.spike.rollback_window, "Steps of the rollback limit's window")
+  app.add_option("--spike-max-skip", o.spike.max_skip,
+                 "The most extra steps of data one rollback may skip; a spike that outlasts it stops the run")
+      ->capture_default_str();
+  app.add_option("--spike-max-rollbacks", o.spike.max_rollbacks,
+                 "Loss-spike incidents allowed within --spike-rollback-window (the rollbacks of one count once)")
+      ->capture_default_str();
+  app.add_option("--spike-rollback-window", o.spike.rollback_window, "Steps of the incident limit's window")
       ->capture_default_str();
   app.add_flag("--tf32", o.tf32, "CUDA: fp32 GEMMs on TF32 tensor cores (faster, 10-bit mantissa products)");
   app.footer(

@@ -239,6 +239,7 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
     say("%s\n", train::format_step(s, o.steps, Policy::kHasLossScale).c_str());
     if (lead) std::fflush(stdout);
     metrics.write_step(s);
+    if (s.incident) say("%s\n", train::format_incident(*s.incident).c_str());
     if (s.step == 1) report_memory("after step 1");
     if (!o.trace.empty() && s.step == std::min<std::int64_t>(2, o.steps)) {
       const auto timeline = train::gather_timeline(world, grid.coords().pp, trainer.executor().timings());

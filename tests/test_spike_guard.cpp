@@ -38,13 +38,15 @@ SpikeGuard with_history(const SpikeGuardConfig& cfg, const std::vector<double>& 
 }
 
 // A stream the tiny model learns quickly (a period-17 sequence of distinct symbols), with
-// the window of step `bad` (1-based; B*T tokens after its first; 0: none) replaced by noise.
-std::vector<std::uint16_t> stream_with_bad_window(std::int64_t window, std::int64_t bad, std::int64_t n) {
+// the windows of steps bad .. bad + count - 1 (1-based; B*T tokens after the first's
+// first; bad 0: none) replaced by noise.
+std::vector<std::uint16_t> stream_with_bad_window(std::int64_t window, std::int64_t bad, std::int64_t n,
+                                                  std::int64_t count = 1) {
   std::vector<std::uint16_t> out(static_cast<std::size_t>(n));
   const std::uint16_t period[17] = {3, 41, 7, 19, 0, 33, 12, 48, 25, 5, 38, 16, 29, 44, 9, 21, 36};
   for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = period[i % 17];
   const rng::Stream noise(11);
-  for (std::int64_t i = (bad - 1) * window + 1; bad > 0 && i < std::min(bad * window, n); ++i)
+  for (std::int64_t i = (bad - 1) * window + 1; bad > 0 && i < std::min((bad + count - 1) * window, n); ++i)
     out[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(noise.bits(static_cast<std::uint64_t>(i))[0] % 50);
   return out;
 }
@@ -56,24 +58,25 @@ models::GPT2Config tiny() {
 struct Result {
   std::vector<train::StepStats> steps;  // every step() in order, rollbacks included
   std::vector<float> params;            // the flat store after the last step
+  double val_loss = 0.0;                // on 8 batches of the clean stream
 };
 
 // 30 steps of the tiny model; `guard` on or off; `skip_after`: without the guard, skip
 // `skip` steps' worth of data after that step (the run that never saw them).
 template <class Policy = Compose<backend::Cpu>>
 Result train_run(const std::vector<std::uint16_t>& tokens, const SpikeGuardConfig& guard, std::int64_t skip_after = 0,
-                 std::int64_t skip = 0, const precision::DynamicLossScale::Config& scale = {}) {
+                 std::int64_t skip = 0, const precision::DynamicLossScale::Config& scale = {}, std::int64_t steps = 30,
+                 float lr = 1e-2f) {
   using T = typename Policy::precision::Compute;
   using Model = models::GPT2<T, backend::Cpu>;
   backend::cpu::Context ctx;
   Model model(tiny(), 5);
   const auto data = data::TokenDataset::from_tokens(tokens, 50, "spiky");
   data::DataLoader loader(data, {.batch_size = 4, .seq_len = 16});
-  const std::int64_t steps = 30;
   parallel::LayoutConfig layout = parallel::layout_of<Policy>();
   layout.micro_batch = 4;
-  train::Trainer<Model, Policy> trainer(ctx, model, {.lr = 1e-2f, .eps = 1e-6f},
-                                        {.peak_lr = 1e-2f, .warmup_steps = 2, .total_steps = steps}, loader,
+  train::Trainer<Model, Policy> trainer(ctx, model, {.lr = lr, .eps = 1e-6f},
+                                        {.peak_lr = lr, .warmup_steps = 2, .total_steps = steps}, loader,
                                         {.steps = steps, .loss_scale = scale, .layout = layout, .spike_guard = guard});
   Result r;
   while (trainer.steps_done() < steps) {
@@ -84,6 +87,9 @@ Result train_run(const std::vector<std::uint16_t>& tokens, const SpikeGuardConfi
   }
   const auto& store = model.parameter_store();
   for (std::int64_t i = 0; i < store.flat_size(); ++i) r.params.push_back(static_cast<float>(store.values()[i]));
+  const auto val = data::TokenDataset::from_tokens(stream_with_bad_window(64, 0, 40 * 64), 50, "clean");
+  data::DataLoader val_loader(val, {.batch_size = 4, .seq_len = 16});
+  r.val_loss = trainer.evaluate(val_loader, 8);
   return r;
 }
 
@@ -126,18 +132,40 @@ TEST_CASE("spike guard: non-finite losses and norms are spikes, fp16's skipped o
   CHECK(!g.check(2.0, std::numeric_limits<double>::infinity(), /*scaler_skips=*/true));
 }
 
-TEST_CASE("spike guard: too many rollbacks within the window stop the run with a sentence") {
-  SpikeGuard g({.enabled = true, .window = 8, .min_history = 4, .max_rollbacks = 2, .rollback_window = 100});
+TEST_CASE(
+    "spike guard: a spike soon after a rollback is the same incident and doubles the skip; too many incidents, or "
+    "a spike that outlasts --spike-max-skip, stop the run with a sentence") {
+  SpikeGuard g({.enabled = true, .window = 8, .min_history = 4, .skip_batches = 1, .incident_steps = 5,
+                .max_skip = 8, .max_rollbacks = 2, .rollback_window = 100});
   for (int s = 1; s <= 10; ++s) g.record(s, 2.0);
-  g.rolled_back(11, 10, {"x"});
+  CHECK(g.rolled_back(11, 10, {"x"}, 9.0) == 1);  // an incident's first rollback: --spike-skip
   CHECK(g.history().size() == 8);
-  g.rolled_back(50, 5, {"x"});
-  CHECK(g.history().back().first == 5);  // the losses after step 5 forgotten
-  CHECK_THROWS_WITH_AS(g.rolled_back(60, 5, {"loss 9 > 2 x the running median 2"}),
-                       doctest::Contains("3 rollbacks within 100 steps (the last at step 60: loss 9 > 2"), Error);
-  SpikeGuard h({.enabled = true, .max_rollbacks = 1, .rollback_window = 10});
-  h.rolled_back(5, 4, {"x"});
-  CHECK_NOTHROW(h.rolled_back(30, 29, {"x"}));  // the first is outside the window by now
+  CHECK(g.rolled_back(11, 10, {"x"}, 8.0) == 2);  // the same step again: the same incident, twice the skip
+  CHECK(g.rolled_back(13, 10, {"x"}, 7.0) == 4);  // within 5 steps of the last: still the same
+  CHECK(g.incident_steps() == std::vector<std::int64_t>{11});
+  CHECK_FALSE(g.closed(16, false));  // 3 steps after the last rollback: still open
+  const auto incident = g.closed(19, false);
+  REQUIRE(incident);
+  CHECK(incident->first_step == 11);
+  CHECK(incident->last_step == 13);
+  CHECK(incident->rollbacks == 3);
+  CHECK(incident->skipped_steps == (1 + 1) + (1 + 2) + (3 + 4));
+  CHECK(incident->losses == std::vector<double>{9.0, 8.0, 7.0});
+  CHECK_FALSE(g.closed(20, true));  // closed once
+  CHECK(g.rolled_back(50, 45, {"y"}) == 1);  // a second incident
+  CHECK(g.rolled_back(51, 45, {"y"}) == 2);
+  CHECK(g.rolled_back(52, 45, {"y"}) == 4);
+  CHECK(g.rolled_back(53, 45, {"y"}) == 8);
+  CHECK_THROWS_WITH_AS(g.rolled_back(54, 45, {"loss 9 > 2 x the running median 2"}),
+                       doctest::Contains("the spike of step 50 came back at step 54 after 4 rollbacks"), Error);
+  SpikeGuard h({.enabled = true, .incident_steps = 5, .max_rollbacks = 2, .rollback_window = 100});
+  h.rolled_back(10, 9, {"x"});
+  h.rolled_back(30, 29, {"x"});
+  CHECK_THROWS_WITH_AS(h.rolled_back(60, 59, {"loss 9 > 2 x the running median 2"}),
+                       doctest::Contains("3 incidents within 100 steps (the last at step 60: loss 9 > 2"), Error);
+  SpikeGuard w({.enabled = true, .incident_steps = 5, .max_rollbacks = 1, .rollback_window = 10});
+  w.rolled_back(5, 4, {"x"});
+  CHECK_NOTHROW(w.rolled_back(30, 29, {"x"}));  // the first is outside the window by now
 }
 
 TEST_CASE("spike guard: bad settings are errors naming the flag") {
@@ -152,6 +180,8 @@ TEST_CASE("spike guard: bad settings are errors naming the flag") {
   fails({.snapshot_every = 0}, "--spike-snapshot-every 0");
   fails({.skip_batches = -1}, "--spike-skip -1");
   fails({.max_rollbacks = 0}, "--spike-max-rollbacks 0");
+  fails({.incident_steps = 0}, "--spike-incident-steps 0");
+  fails({.skip_batches = 4, .max_skip = 2}, "--spike-max-skip 2 is below --spike-skip 4");
   CHECK_NOTHROW(SpikeGuardConfig{.enabled = false, .window = 0}.validate());
 }
 
@@ -198,4 +228,32 @@ TEST_CASE("spike guard: fp16's overflowing first steps are skipped by the scaler
     skipped += s.skipped ? 1 : 0;
   }
   CHECK(skipped > 0);
+}
+
+TEST_CASE(
+    "spike guard: a bad stretch of 5 and of 50 batches is one incident; the run finishes within 1% of the clean "
+    "run's validation loss; 100x the learning rate stops with the sentence") {
+  const std::int64_t window = 4 * 16, steps = 60, bad = 31;
+  const SpikeGuardConfig guard{.enabled = true};  // the defaults
+  const Result clean = train_run(stream_with_bad_window(window, 0, 200 * window), {}, 0, 0, {}, steps);
+  for (std::int64_t count : {5, 50}) {
+    const Result r = train_run(stream_with_bad_window(window, bad, 200 * window, count), guard, 0, 0, {}, steps);
+    int rollbacks = 0, incidents = 0;
+    for (const auto& s : r.steps) {
+      rollbacks += s.rolled_back ? 1 : 0;
+      if (s.incident) {
+        ++incidents;
+        CHECK(s.incident->first_step == bad);
+        CHECK(s.incident->rollbacks == rollbacks);
+        CHECK(s.incident->skipped_steps >= count);
+        MESSAGE(count, " bad batches: ", train::format_incident(*s.incident));
+      }
+    }
+    CHECK(incidents == 1);
+    CHECK(r.steps.back().step == steps);
+    MESSAGE(count, " bad batches: validation loss ", r.val_loss, " against the clean run's ", clean.val_loss);
+    CHECK(std::abs(r.val_loss - clean.val_loss) <= 0.01 * clean.val_loss);
+  }
+  CHECK_THROWS_WITH_AS(train_run(stream_with_bad_window(window, 0, 200 * window), guard, 0, 0, {}, steps, 1.0f),
+                       doctest::Contains("the run is unstable, not unlucky"), Error);
 }

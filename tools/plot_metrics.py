@@ -4,8 +4,9 @@
   plot_metrics.py METRICS.jsonl [--out loss.png] [--title TEXT]
 
 The metrics file holds one JSON object per line, told apart by "type": config (tokens
-per step = global_batch * seq, for the top axis), step, eval, rollback and resume; other
-types (memory, ...) are ignored.
+per step = global_batch * seq, for the top axis), step, eval, rollback, incident (a
+loss-spike incident: the rollbacks of one bad stretch of data, shaded with its count of
+rollbacks and skipped steps) and resume; other types (memory, ...) are ignored.
 
 What the run kept is the curve: a rollback from step s to step c (a loss spike at s
 restored the state after step c), and a resumed run that starts again after step c,
@@ -77,6 +78,7 @@ class Run:
         self.abandoned_evals = []  # [(step, val_loss)]
         self.rollbacks = []  # [(step, to_step, the loss at step, reason, skipped_batches)]
         self.resumes = []  # [step]
+        self.incidents = []  # [(first_step, last_step, rollbacks, skipped_steps)]
 
     def rewind(self, to_step):
         """Everything after to_step becomes history."""
@@ -110,6 +112,11 @@ class Run:
             spike = self.kept.get(s, (math.nan,))[0]  # the step record before the rollback, if logged
             self.rollbacks.append((s, c, spike, str(record.get("reason", "")), record.get("skipped_batches")))
             self.rewind(c)
+        elif kind == "incident":
+            a, b = step_number(record, "first_step", where), step_number(record, "last_step", where)
+            if b < a:
+                raise MetricsError(f"{where}: an incident's \"last_step\" {b} is before its \"first_step\" {a}")
+            self.incidents.append((a, b, record.get("rollbacks"), record.get("skipped_steps")))
         elif kind == "resume":
             c = step_number(record, "step", where)
             self.resumes.append(c)
@@ -248,6 +255,10 @@ def plot(run, out, title):
         ax.annotate(text, xy=(s, 1.0), xycoords=("data", "axes fraction"), xytext=(-4 if right else 4, -4),
                     textcoords="offset points", ha="right" if right else "left", va="top", fontsize=8,
                     color=spike_color)
+
+    for i, (a, b, rollbacks, skipped_steps) in enumerate(run.incidents):
+        label = f"loss-spike incident ({rollbacks} rollbacks, {skipped_steps} steps of data skipped)"
+        ax.axvspan(a - 0.5, b + 0.5, color=spike_color, alpha=0.12, zorder=1, label=label if i == 0 else None)
 
     for i, c in enumerate(run.resumes):
         ax.axvline(c, color="0.35", linestyle="-", linewidth=0.8, alpha=0.8,

@@ -2,7 +2,8 @@
 # tools/plot_metrics.py draws a run with everything a metrics file can hold, and rejects
 # a broken file by name:
 #   - a synthetic 60-step run (config, 3 evals, a skipped fp16 step, a rollback from the
-#     spike at step 40 to step 30 with steps 31..40 logged again, a resume after step 50
+#     spike at step 40 to step 30 with steps 31..40 logged again and its incident record,
+#     a resume after step 50
 #     with steps 51..53 logged again) becomes a PNG of more than 10 KB at the default
 #     path, and the curve it keeps is steps 1..60 from their last records, with the
 #     rolled-back and rewritten steps as abandoned segments;
@@ -43,6 +44,7 @@ metrics="$work/run.jsonl"
   step 40 "$(loss 40 4.5)"
   echo '{"type":"rollback","step":40,"to_step":30,"reason":"loss 6.58 > 3x the median","skipped_batches":1}'
   for s in $(seq 31 40); do step "$s" "$(loss "$s")"; done
+  echo '{"type":"incident","kind":"loss_spike","step":40,"first_step":40,"last_step":40,"rollbacks":1,"skipped_steps":11,"losses":[6.58],"reason":"loss 6.58 > 3x the median","seconds":0.02}'
   echo '{"type":"eval","step":40,"val_loss":'"$(loss 40 0.08)"'}'
   for s in $(seq 41 53); do step "$s" "$(loss "$s")"; done
   echo '{"type":"resume","step":50,"from":"ckpt/step_50"}'
@@ -68,6 +70,7 @@ assert [(b, [s for s, _, _ in seg]) for b, seg in run.abandoned] == [(30, list(r
 assert run.kept[40][0] < 3.0 and run.abandoned[0][1][-1][1] > 6.0  # the spike is history, the rewrite is kept
 assert run.rollbacks[0][:3] == (40, 30, run.abandoned[0][1][-1][1])  # with the spike's loss
 assert sorted(run.evals) == [0, 40, 60] and run.resumes == [50]
+assert run.incidents == [(40, 40, 1, 11)]
 assert run.tokens_per_step == {512.0}
 PY
 

@@ -52,6 +52,29 @@ LLMPAR_INLINE void MetricsWriter::write_step(const StepStats& s) {
          {"skipped_total", s.skipped_total},
          {"comm_ms", s.comm_ms},
          {"bubble_ms", s.bubble_ms}});
+  if (s.incident) {
+    const Incident& i = *s.incident;
+    write({{"type", "incident"},
+           {"kind", "loss_spike"},
+           {"step", s.step},
+           {"first_step", i.first_step},
+           {"last_step", i.last_step},
+           {"rollbacks", i.rollbacks},
+           {"skipped_steps", i.skipped_steps},
+           {"losses", i.losses},
+           {"reason", i.first_reason},
+           {"seconds", i.seconds}});
+  }
+}
+
+LLMPAR_INLINE std::string format_incident(const Incident& i) {
+  char line[480];
+  std::snprintf(line, sizeof line,
+                "loss spike incident: steps %lld-%lld, %d rollback%s, %lld steps of data skipped, %.2f s lost (%s)",
+                static_cast<long long>(i.first_step), static_cast<long long>(i.last_step), i.rollbacks,
+                i.rollbacks == 1 ? "" : "s", static_cast<long long>(i.skipped_steps), i.seconds,
+                i.first_reason.c_str());
+  return line;
 }
 
 LLMPAR_INLINE std::string format_step(const StepStats& s, std::int64_t total_steps, bool scaled) {

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "llmpar/core/error.hpp"
+#include "llmpar/train/spike_guard.hpp"
 
 namespace llmpar::train {
 
@@ -40,6 +41,9 @@ struct StepStats {
   std::int64_t rolled_back_to = 0;
   std::int64_t skipped_batches = 0;
   std::string spike;  // why it is a spike
+  // A loss-spike incident (train/spike_guard.hpp) that closed with this step: its
+  // rollbacks, the data they skipped, the time they cost.
+  std::optional<Incident> incident;
 };
 
 // Model FLOPs per trained token (forward and backward).
@@ -58,12 +62,17 @@ class MetricsWriter {
   void write(const nlohmann::json& record);
 
   // A step record, or for a loss spike the rollback it caused (the step was not applied;
-  // the steps after rolled_back_to are logged again as the run repeats them).
+  // the steps after rolled_back_to are logged again as the run repeats them); and an
+  // "incident" record after the step that closed one.
   void write_step(const StepStats& s);
 
  private:
   std::ofstream out_;
 };
+
+// "loss spike incident: steps 81-81, 4 rollbacks, 12 steps of data skipped, 0.41 s lost
+// (loss 7.0123 > 2.00 x the running median 2.9000)".
+LLMPAR_INLINE std::string format_incident(const Incident& i);
 
 // One line per step; `scaled` adds the loss scale (FP16Mixed runs). A skipped step says so.
 LLMPAR_INLINE std::string format_step(const StepStats& s, std::int64_t total_steps, bool scaled = false);

@@ -182,7 +182,10 @@ class Trainer {
         replicas_(sync_.dp()),
         pipeline_(groups.pp && groups.pp->size() > 1 ? groups.pp : nullptr) {
     schedule.validate();
-    if (cfg.spike_guard.enabled) guard_.emplace(cfg.spike_guard);
+    if (cfg.spike_guard.enabled) {
+      guard_.emplace(cfg.spike_guard);
+      guard_->set_uniform_loss(std::log(static_cast<double>(model.config().vocab)));
+    }
     check_layout(cfg.layout, model, train);
     model.set_recompute(recompute_mode(cfg));
     if (replicas_) {
@@ -259,6 +262,7 @@ class Trainer {
           flops_per_token(model_.num_parameters(), mc.layers, mc.dim, seq) * s.tokens_per_s / (cfg_.peak_gflops * 1e9);
     }
     if (guard_ && !verdict.skipped && step_ % cfg_.spike_guard.snapshot_every == 0) take_snapshot();
+    if (guard_) s.incident = guard_->closed(s.step, s.step >= cfg_.steps);
     return s;
   }
 
@@ -365,7 +369,7 @@ class Trainer {
     t.loss_scaler = scaler_.state();
     if (guard_) {
       t.spike_history = guard_->history();
-      t.rollbacks = guard_->rollback_steps();
+      t.rollbacks = guard_->incident_steps();
       t.has_spike_guard = true;
     }
     return t;
@@ -444,18 +448,19 @@ class Trainer {
 
   // A spike at step step_ + 1: nothing applied; back to the snapshot (step c). The data
   // read since the snapshot (steps c+1 .. step_ + 1; after an earlier rollback to the same
-  // snapshot, what the run read since that one) is not read again, and skip_batches
-  // steps' worth more is skipped.
+  // snapshot, what the run read since that one) is not read again, and the guard's extra
+  // skip more (skip_batches, doubled by each repeated spike of one incident).
   StepStats roll_back(const Spike& spike, double loss, double norm, std::chrono::steady_clock::time_point t0) {
     const std::int64_t at = step_ + 1, to = snapshot_step_;
-    guard_->rolled_back(at, to, spike);  // throws after too many
-    const std::vector<std::int64_t> counted = guard_->rollback_steps();
+    const double failed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::int64_t extra = guard_->rolled_back(at, to, spike, loss, failed_s);  // throws when it must
+    const std::vector<std::int64_t> counted = guard_->incident_steps();
     const data::LoaderState position = train_.state();
     restore(checkpoint::Source::of(last_good_), last_good_.state);
     guard_->restore(guard_->history(), counted);
     train_.restore(position);
-    skip_batches(cfg_.spike_guard.skip_batches);
-    const std::int64_t skip = (at - to) + cfg_.spike_guard.skip_batches;
+    skip_batches(extra);
+    const std::int64_t skip = (at - to) + extra;
     snapshot_step_ = to;  // the snapshot is still the last good state
     StepStats s;
     s.step = at;
