@@ -177,26 +177,37 @@ ensure_python_tools() {
 
 cmd_train() {
   [[ -f "$root/examples/train_gpt.cpp" ]] || die "examples/train_gpt.cpp does not exist: nothing to train with"
-  # --np N runs N processes under mpirun; the other flags go to train_gpt.
-  local np="" args=()
+  # --np N runs N processes under mpirun; --restarts N restarts the run after a crash or
+  # a lost rank, from --save's latest checkpoint (tools/supervise.sh); the other flags
+  # go to train_gpt.
+  local np="" restarts="" args=()
   while (($# > 0)); do
     case "$1" in
       --np) (($# >= 2)) || die "--np needs a number of processes, e.g. --np 2"; np="$2"; shift 2 ;;
       --np=*) np="${1#--np=}"; shift ;;
+      --restarts) (($# >= 2)) || die "--restarts needs a count, e.g. --restarts 3"; restarts="$2"; shift 2 ;;
+      --restarts=*) restarts="${1#--restarts=}"; shift ;;
       *) args+=("$1"); shift ;;
     esac
   done
   [[ -z "$np" || "$np" =~ ^[1-9][0-9]*$ ]] || die "--np $np is not a number of processes; use e.g. --np 2"
+  [[ -z "$restarts" || "$restarts" =~ ^[0-9]+$ ]] || die "--restarts $restarts is not a count; use e.g. --restarts 3"
+  if [[ -n "$restarts" ]] && ! printf '%s\n' "${args[@]}" | grep -q -- '^--save'; then
+    die "--restarts needs --save DIR: a restart resumes from the latest checkpoint there"
+  fi
   setup
   build --target train_gpt
-  local binary="$build_dir/examples/train_gpt"
+  local binary="$build_dir/examples/train_gpt" launch=()
   [[ -x "$binary" ]] || die "$binary was not built (is LLMPAR_BUILD_EXAMPLES off?)"
-  if [[ -z "$np" ]]; then
-    exec "$binary" "${args[@]}"
+  if [[ -n "$np" ]]; then
+    command -v mpirun >/dev/null 2>&1 || die "--np needs mpirun (Debian: openmpi-bin)"
+    mpi_environment "$np"
+    launch=(mpirun -np "$np")
   fi
-  command -v mpirun >/dev/null 2>&1 || die "--np needs mpirun (Debian: openmpi-bin)"
-  mpi_environment "$np"
-  exec mpirun -np "$np" "$binary" "${args[@]}"
+  if [[ -n "$restarts" ]]; then
+    exec bash "$root/tools/supervise.sh" --restarts "$restarts" -- "${launch[@]}" "$binary" "${args[@]}"
+  fi
+  exec "${launch[@]}" "$binary" "${args[@]}"
 }
 
 # Open MPI refuses to run as root, or more processes than cores, unless told: the

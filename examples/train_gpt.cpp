@@ -17,7 +17,13 @@
 
 #include <CLI/CLI.hpp>
 #include <array>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -29,6 +35,27 @@ using namespace llmpar;
 using train_gpt::Options;
 
 namespace train_gpt {
+
+void test_fault(std::int64_t step, int world_rank) {
+  const char* spec = std::getenv("LLMPAR_TEST_FAULT");
+  if (spec == nullptr || *spec == '\0') return;
+  char kind[8] = "";
+  long long at = -1;
+  int rank = -1;
+  LLMPAR_CHECK(std::sscanf(spec, "%7[a-z]:%lld:%d", kind, &at, &rank) == 3 &&
+                   (std::strcmp(kind, "kill") == 0 || std::strcmp(kind, "hang") == 0),
+               "LLMPAR_TEST_FAULT is '", spec, "'; give kill:STEP:RANK or hang:STEP:RANK (a test-only fault)");
+  if (step != at || world_rank != rank) return;
+  if (const char* once = std::getenv("LLMPAR_TEST_FAULT_ONCE"); once != nullptr && *once != '\0') {
+    if (std::filesystem::exists(once)) return;
+    std::ofstream(once) << spec << "\n";
+  }
+  std::fprintf(stderr, "train_gpt: test fault: world rank %d %s after step %lld\n", world_rank,
+               kind[0] == 'k' ? "kills itself" : "stops answering", at);
+  std::fflush(stderr);
+  if (kind[0] == 'k') std::raise(SIGKILL);
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
 
 Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead) {
   auto say = [&](auto... args) {

@@ -65,6 +65,12 @@ struct Datasets {
 };
 Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead);
 
+// A fault for the restart tests, off unless LLMPAR_TEST_FAULT is set: "kill:STEP:RANK"
+// makes world rank RANK kill itself (SIGKILL) after step STEP, "hang:STEP:RANK" makes it
+// stop answering (its peers' watchdog then ends the job). With LLMPAR_TEST_FAULT_ONCE=FILE
+// it fires only in the run that creates FILE, so a restarted run passes the step.
+void test_fault(std::int64_t step, int world_rank);
+
 // What a run's first metrics record says besides the flags.
 struct RunFacts {
   std::int64_t seq = 0, parameters = 0;
@@ -236,6 +242,7 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   const std::int64_t last = last_step(o);
   while (trainer.steps_done() < last) {
     const train::StepStats s = trainer.step();
+    test_fault(s.step, world.rank());
     say("%s\n", train::format_step(s, o.steps, Policy::kHasLossScale).c_str());
     if (lead) std::fflush(stdout);
     metrics.write_step(s);

@@ -24,6 +24,14 @@
 #                 --sp are named
 #   mpi           the same under mpirun -np 2 (MPIEXEC: the launcher and its flags), and
 #                 ZeRO 3 and a 2-stage 1F1B pipeline over the two processes
+#   restart       tools/supervise.sh (./llmpar.sh train --restarts N): one of 2 MPI
+#                 processes kill -9's itself after step 8 (a test-only fault) in a run
+#                 with --restarts 2 --save; the run restarts from its latest checkpoint
+#                 (step 6, or 3 if 6's background write had not finished) on its own and
+#                 finishes, and every step's kept loss equals, bit for bit, the
+#                 uninterrupted run's; a process that stops answering after step 8 is
+#                 named by the watchdog (exit 75) and the run restarts too; an
+#                 error a restart would repeat (a bad flag) is not restarted
 #   pipeline      --pp 2 with every schedule (gpipe, 1f1b, interleaved with 2 virtual
 #                 stages, zb), recompute selective and full, and tp 2 x pp 2 with sp and
 #                 ZeRO 1 on 4 ranks, train as one rank does with the same micro-batches:
@@ -565,6 +573,35 @@ PY
     else
       echo "tensor parallelism on CUDA not checked: $gpus GPU(s); it needs 2 and a build with NCCL (MPIEXEC set)"
     fi
+    ;;
+  restart)
+    read -r -a launcher <<<"${MPIEXEC:?set MPIEXEC to the MPI launcher command}"
+    supervise="$here/../../tools/supervise.sh"
+    run=(--steps 12 --batch 4 --seq 64 --no-shuffle --eval-every 0 --sample-tokens 0 --peak-gflops 50
+      --save-every 3 --comm-timeout 5)
+    "${launcher[@]}" -np 2 "$bin/train_gpt" "${run[@]}" --save whole --metrics whole.jsonl >whole.txt
+    step_losses() { grep '"type":"step"' "$1" | sed 's/.*"loss":\([^,}]*\).*"step":\([0-9]*\).*/\2 \1/' | sort -n | uniq; }
+    for fault in kill hang; do
+      rm -f "fault_$fault"
+      start=$(date +%s.%N)
+      LLMPAR_TEST_FAULT="$fault:8:1" LLMPAR_TEST_FAULT_ONCE="$work/fault_$fault" bash "$supervise" --restarts 2 -- \
+        "${launcher[@]}" -np 2 "$bin/train_gpt" "${run[@]}" --save "ck_$fault" --metrics "$fault.jsonl" \
+        >"$fault.txt" 2>"$fault.err" || fail "the supervised run with a $fault fault did not finish: $(tail -5 "$fault.err")"
+      echo "$fault: recovered and finished in $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
+      grep 'supervise: restart 1/2' "$fault.err"
+      [[ -f "fault_$fault" ]] || fail "the $fault fault never fired"
+      grep -Eq '"type":"restart".*"from_step":[36],' "$fault.jsonl" || fail "$fault.jsonl lacks the restart record from a checkpoint (step 3 or 6)"
+      # The kept steps (the last record of each) equal the uninterrupted run's, bit for bit.
+      diff <(step_losses whole.jsonl) <(step_losses "$fault.jsonl" | awk '{ last[$1] = $2 } END { for (s in last) print s, last[s] }' | sort -n) ||
+        fail "the restarted run's losses differ from the uninterrupted run's"
+    done
+    grep -q 'a rank stopped answering' hang.err || fail "the hang was not reported as a lost rank"
+    grep -q 'killed by signal' kill.err || fail "the kill was not reported as a signal"
+    # An error a restart would repeat ends the run with its status, without a restart.
+    if bash "$supervise" --restarts 2 -- "$bin/train_gpt" --steps 0 --save bad --heads 12 --dim 100 2>bad.err; then
+      fail "a bad flag under supervision did not fail"
+    fi
+    grep -q 'not restarting' bad.err || fail "the supervisor restarted an error: $(cat bad.err)"
     ;;
   *) fail "unknown case '$case'" ;;
 esac

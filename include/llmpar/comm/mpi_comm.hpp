@@ -119,6 +119,12 @@
 
 namespace llmpar::comm {
 
+// The exit status of a job the watchdog ends because a rank stopped answering:
+// EX_TEMPFAIL (75, sysexits.h), "try again". A supervisor (tools/supervise.sh, behind
+// `./llmpar.sh train --restarts N`) restarts a run on it and on signals, never on the
+// errors a restart would repeat (train_gpt exits 1 on those).
+inline constexpr int kLostRankExit = 75;
+
 struct MpiOptions {
   // How long an operation may wait for the other ranks. A blocking call that takes
   // longer aborts the job after naming the missing ranks; Request::wait() throws.
@@ -193,7 +199,7 @@ class MpiEnvironment {
                    "would wait for them forever, so the job is aborted instead\n",
                    detail::mpi::world_rank(), abandoned.operations, abandoned.reason.c_str());
       std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 1);
+      MPI_Abort(MPI_COMM_WORLD, kLostRankExit);
     }
     lock.unlock();
     MPI_Finalize();
@@ -642,7 +648,7 @@ class State {
                  "throw llmpar::Error instead)\n",
                  timeout_message(describe(what, count), group_, rank(), options_.timeout, "", report).c_str());
     std::fflush(stderr);
-    MPI_Abort(channel_.comm(), 1);
+    MPI_Abort(channel_.comm(), kLostRankExit);
   }
 
   void finish_avg(const Op& op) const {
