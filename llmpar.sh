@@ -180,18 +180,20 @@ cmd_train() {
   # --np N runs N processes under mpirun; --restarts N restarts the run after a crash or
   # a lost rank, from --save's latest checkpoint (tools/supervise.sh); the other flags
   # go to train_gpt.
-  local np="" restarts="" args=()
+  local np="" restarts="" min_ranks=() args=()
   while (($# > 0)); do
     case "$1" in
       --np) (($# >= 2)) || die "--np needs a number of processes, e.g. --np 2"; np="$2"; shift 2 ;;
       --np=*) np="${1#--np=}"; shift ;;
       --restarts) (($# >= 2)) || die "--restarts needs a count, e.g. --restarts 3"; restarts="$2"; shift 2 ;;
       --restarts=*) restarts="${1#--restarts=}"; shift ;;
+      --min-ranks) (($# >= 2)) || die "--min-ranks needs a number of processes"; min_ranks=(--min-ranks "$2"); shift 2 ;;
       *) args+=("$1"); shift ;;
     esac
   done
   [[ -z "$np" || "$np" =~ ^[1-9][0-9]*$ ]] || die "--np $np is not a number of processes; use e.g. --np 2"
   [[ -z "$restarts" || "$restarts" =~ ^[0-9]+$ ]] || die "--restarts $restarts is not a count; use e.g. --restarts 3"
+  ((${#min_ranks[@]} == 0)) || [[ -n "$restarts" && -n "$np" ]] || die "--min-ranks restarts on fewer processes: give it with --restarts and --np"
   if [[ -n "$restarts" ]] && ! printf '%s\n' "${args[@]}" | grep -q -- '^--save'; then
     die "--restarts needs --save DIR: a restart resumes from the latest checkpoint there"
   fi
@@ -205,7 +207,7 @@ cmd_train() {
     launch=(mpirun -np "$np")
   fi
   if [[ -n "$restarts" ]]; then
-    exec bash "$root/tools/supervise.sh" --restarts "$restarts" -- "${launch[@]}" "$binary" "${args[@]}"
+    exec bash "$root/tools/supervise.sh" --restarts "$restarts" "${min_ranks[@]}" -- "${launch[@]}" "$binary" "${args[@]}"
   fi
   exec "${launch[@]}" "$binary" "${args[@]}"
 }

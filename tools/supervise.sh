@@ -2,7 +2,7 @@
 # supervise.sh — runs a training command again after a crash or a lost rank, from its
 # latest checkpoint, until it finishes.
 #
-#   supervise.sh --restarts N [--backoff SEC] -- COMMAND...
+#   supervise.sh --restarts N [--backoff SEC] [--min-ranks M] -- COMMAND...
 #
 # COMMAND is train_gpt, or a launcher around it (mpirun -np 4 train_gpt ...), with
 # --save DIR. Its exit status says what happened:
@@ -20,6 +20,11 @@
 # appends to it): the attempt, the exit status and why, the checkpoint's step, the
 # failed attempt's seconds and the back-off.
 #
+# --min-ranks M: after a lost rank or process, the restart runs on one process fewer (the
+# launcher's -np or -n, down to M): a run that keeps its global batch (--global-batch G
+# --micro-batch B) resumes resharded, with more gradient accumulation, and trains the
+# same run to float rounding.
+#
 # Under Slurm the same holds with srun as the launcher; with `sbatch --requeue` a node
 # failure requeues the whole job instead, and the requeued job's `./llmpar.sh train
 # --resume latest --save DIR` continues from the same checkpoint: this script covers
@@ -31,17 +36,19 @@ die() {
   exit 2
 }
 
-restarts="" backoff=1
+restarts="" backoff=1 min_ranks=""
 while (($# > 0)); do
   case "$1" in
     --restarts) (($# >= 2)) || die "--restarts needs a count"; restarts="$2"; shift 2 ;;
+    --min-ranks) (($# >= 2)) || die "--min-ranks needs a count"; min_ranks="$2"; shift 2 ;;
     --backoff) (($# >= 2)) || die "--backoff needs seconds"; backoff="$2"; shift 2 ;;
     --) shift; break ;;
-    *) die "unknown option '$1'; usage: supervise.sh --restarts N [--backoff SEC] -- COMMAND..." ;;
+    *) die "unknown option '$1'; usage: supervise.sh --restarts N [--backoff SEC] [--min-ranks M] -- COMMAND..." ;;
   esac
 done
 [[ "$restarts" =~ ^[0-9]+$ ]] || die "--restarts '$restarts' is not a count of restarts (0 or more)"
 [[ "$backoff" =~ ^[0-9]+$ ]] || die "--backoff '$backoff' is not a whole number of seconds"
+[[ -z "$min_ranks" || "$min_ranks" =~ ^[1-9][0-9]*$ ]] || die "--min-ranks '$min_ranks' is not a number of processes"
 (($# > 0)) || die "no command to supervise; usage: supervise.sh --restarts N -- train_gpt ... --save DIR"
 
 # The command's --save and --metrics, and the command without its --resume.
@@ -59,6 +66,15 @@ while (($# > 0)); do
   esac
 done
 [[ -n "$save" ]] || die "the command has no --save DIR: a restart resumes from the latest checkpoint there"
+# Where the launcher's process count is (the word after -np or -n), for --min-ranks.
+np_at=-1
+for ((i = 0; i + 1 < ${#command[@]}; ++i)); do
+  if [[ "${command[i]}" == -np || "${command[i]}" == -n ]] && [[ "${command[i + 1]}" =~ ^[0-9]+$ ]]; then
+    np_at=$((i + 1))
+    break
+  fi
+done
+[[ -z "$min_ranks" || $np_at -ge 0 ]] || die "--min-ranks needs a launcher with -np N (mpirun) or -n N (srun) in the command"
 
 attempt=0
 resume=()
@@ -90,6 +106,10 @@ for ((;;)); do
   if [[ -n "$metrics" && -f "$metrics" ]]; then
     printf '{"type":"restart","attempt":%d,"exit":%d,"reason":"%s","from_step":%d,"seconds":%s,"backoff":%d}\n' \
       "$attempt" "$rc" "$why" "$step" "$seconds" "$wait_s" >>"$metrics"
+  fi
+  if [[ -n "$min_ranks" ]] && ((command[np_at] > min_ranks)); then
+    command[np_at]=$((command[np_at] - 1))
+    echo "supervise: the restart runs on ${command[np_at]} process$( ((command[np_at] == 1)) || echo es) (--min-ranks $min_ranks)" >&2
   fi
   sleep "$wait_s"
   resume=(--resume latest)

@@ -30,7 +30,9 @@
 #                 (step 6, or 3 if 6's background write had not finished) on its own and
 #                 finishes, and every step's kept loss equals, bit for bit, the
 #                 uninterrupted run's; a process that stops answering after step 8 is
-#                 named by the watchdog (exit 75) and the run restarts too; an
+#                 named by the watchdog (exit 75) and the run restarts too; with
+#                 --min-ranks 1 the restart runs on one process and trains the same run
+#                 to 1e-5 (global batch kept, resharded); an
 #                 error a restart would repeat (a bad flag) is not restarted
 #   pipeline      --pp 2 with every schedule (gpipe, 1f1b, interleaved with 2 virtual
 #                 stages, zb), recompute selective and full, and tp 2 x pp 2 with sp and
@@ -595,6 +597,21 @@ PY
       diff <(step_losses whole.jsonl) <(step_losses "$fault.jsonl" | awk '{ last[$1] = $2 } END { for (s in last) print s, last[s] }' | sort -n) ||
         fail "the restarted run's losses differ from the uninterrupted run's"
     done
+    # With --min-ranks 1 the restart runs on one process: the global batch of 8 as 2
+    # micro-batches of 4 instead of 2 replicas' 4, resharded from the checkpoint; the
+    # same run to float rounding (1e-5).
+    fixed=(--steps 12 --global-batch 8 --micro-batch 4 --seq 64 --no-shuffle --eval-every 0 --sample-tokens 0
+      --peak-gflops 50 --save-every 3 --comm-timeout 5)
+    "${launcher[@]}" -np 2 "$bin/train_gpt" "${fixed[@]}" --save whole_gb --metrics whole_gb.jsonl >whole_gb.txt
+    rm -f fault_fewer
+    LLMPAR_TEST_FAULT="kill:8:1" LLMPAR_TEST_FAULT_ONCE="$work/fault_fewer" bash "$supervise" --restarts 1 \
+      --min-ranks 1 -- "${launcher[@]}" -np 2 "$bin/train_gpt" "${fixed[@]}" --save ck_fewer --metrics fewer.jsonl \
+      >fewer.txt 2>fewer.err || fail "the run restarted on fewer ranks did not finish: $(tail -5 fewer.err)"
+    grep 'runs on 1 process ' fewer.err || fail "the restart did not run on one process fewer"
+    grep -q '1 rank (' fewer.txt || fail "the restarted run is not on 1 rank"
+    paste <(step_losses whole_gb.jsonl) <(step_losses fewer.jsonl | awk '{ last[$1] = $2 } END { for (s in last) print s, last[s] }' | sort -n) |
+      awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-5 * $2) { print; bad = 1 } } END { exit bad || NR != 12 }' ||
+      fail "the run restarted on 1 rank does not train as the 2-rank run (1e-5)"
     grep -q 'a rank stopped answering' hang.err || fail "the hang was not reported as a lost rank"
     grep -q 'killed by signal' kill.err || fail "the kill was not reported as a signal"
     # An error a restart would repeat ends the run with its status, without a restart.
