@@ -329,19 +329,27 @@ int main(int argc, char** argv) {
   try {
     int status = 0;
     launch->run([&](comm::Comm& world) {
+      // A rank stopped answering: end the process now with kLostRankExit (a supervisor
+      // restarts on it); waiting for the ranks of this process to join could be forever.
+      try {
 #if defined(LLMPAR_TRAIN_GPT_CUDA)
-      if (o.backend == "cuda") {
-        const int rc = train_gpt::run_cuda(o, world);
-        if (world.rank() == 0) status = rc;
-        return;
-      }
+        if (o.backend == "cuda") {
+          const int rc = train_gpt::run_cuda(o, world);
+          if (world.rank() == 0) status = rc;
+          return;
+        }
 #endif
-      backend::cpu::Context ctx({.bf16 = backend::cpu::bf16_gemm_of_flag(o.cpu_bf16_gemm)});
-      const int rc = train_gpt::run_on<backend::Cpu>(
-          o, world, ctx, [&](DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp) {
-            return start_cpu(o, world, ctx, dtype, cfg, rows, tp);
-          });
-      if (world.rank() == 0) status = rc;
+        backend::cpu::Context ctx({.bf16 = backend::cpu::bf16_gemm_of_flag(o.cpu_bf16_gemm)});
+        const int rc = train_gpt::run_on<backend::Cpu>(
+            o, world, ctx, [&](DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp) {
+              return start_cpu(o, world, ctx, dtype, cfg, rows, tp);
+            });
+        if (world.rank() == 0) status = rc;
+      } catch (const comm::TimeoutError& e) {
+        std::fprintf(stderr, "train_gpt: error: %s\n", e.what());
+        std::fflush(stderr);
+        std::_Exit(comm::kLostRankExit);
+      }
     });
     return status;
   } catch (const std::exception& e) {

@@ -7,7 +7,8 @@
 # COMMAND is train_gpt, or a launcher around it (mpirun -np 4 train_gpt ...), with
 # --save DIR. Its exit status says what happened:
 #   0        finished: so does this.
-#   75       the watchdog ended the job: a rank stopped answering (comm::kLostRankExit).
+#   75       a rank stopped answering (comm::kLostRankExit): the MPI watchdog ended the
+#            job, or a collective timed out (--comm-timeout) on thread ranks.
 #   > 128    a process was killed by a signal (kill -9, the OOM killer), or the launcher
 #            reports one that was.
 #   other    an error that a restart would repeat (train_gpt exits 1 on a bad flag, a
@@ -85,7 +86,7 @@ for ((;;)); do
   seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
   ((rc == 0)) && exit 0
   if ((rc == 75)); then
-    why="a rank stopped answering (the watchdog ended the job)"
+    why="a rank stopped answering (a collective timed out)"
   elif ((rc > 128)); then
     why="a process was killed by signal $((rc - 128))"
   else

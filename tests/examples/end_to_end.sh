@@ -32,7 +32,9 @@
 #                 uninterrupted run's; a process that stops answering after step 8 is
 #                 named by the watchdog (exit 75) and the run restarts too; with
 #                 --min-ranks 1 the restart runs on one process and trains the same run
-#                 to 1e-5 (global batch kept, resharded); an
+#                 to 1e-5 (global batch kept, resharded); the same kill and hang on 2
+#                 thread ranks restart too (a timed-out collective ends the process with
+#                 75); an
 #                 error a restart would repeat (a bad flag) is not restarted
 #   pipeline      --pp 2 with every schedule (gpipe, 1f1b, interleaved with 2 virtual
 #                 stages, zb), recompute selective and full, and tp 2 x pp 2 with sp and
@@ -613,6 +615,19 @@ PY
       awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-5 * $2) { print; bad = 1 } } END { exit bad || NR != 12 }' ||
       fail "the run restarted on 1 rank does not train as the 2-rank run (1e-5)"
     grep -q 'a rank stopped answering' hang.err || fail "the hang was not reported as a lost rank"
+    # Thread ranks: a killed rank kills its process, a hung one times out the others'
+    # collectives (exit 75); both restart and train the uninterrupted run bit for bit.
+    "$bin/train_gpt" "${run[@]}" --ranks 2 --save whole_threads --metrics whole_threads.jsonl >whole_threads.txt
+    for fault in kill hang; do
+      rm -f "fault_threads_$fault"
+      LLMPAR_TEST_FAULT="$fault:8:1" LLMPAR_TEST_FAULT_ONCE="$work/fault_threads_$fault" bash "$supervise" \
+        --restarts 1 -- "$bin/train_gpt" "${run[@]}" --ranks 2 --save "ck_threads_$fault" \
+        --metrics "threads_$fault.jsonl" >"threads_$fault.txt" 2>"threads_$fault.err" ||
+        fail "thread ranks with a $fault fault did not finish: $(tail -5 "threads_$fault.err")"
+      grep 'supervise: restart 1/1' "threads_$fault.err" || fail "thread ranks with a $fault fault did not restart"
+      diff <(step_losses whole_threads.jsonl) <(step_losses "threads_$fault.jsonl" | awk '{ last[$1] = $2 } END { for (s in last) print s, last[s] }' | sort -n) ||
+        fail "thread ranks restarted after a $fault fault: the losses differ from the uninterrupted run's"
+    done
     grep -q 'killed by signal' kill.err || fail "the kill was not reported as a signal"
     # An error a restart would repeat ends the run with its status, without a restart.
     if bash "$supervise" --restarts 2 -- "$bin/train_gpt" --steps 0 --save bad --heads 12 --dim 100 2>bad.err; then

@@ -79,7 +79,8 @@ LLMPAR_INLINE void MpiComm::Request::wait() {
   const std::string report = detail::mpi::timeout_message(what, s.group(), s.rank(), s.options().timeout, "",
                                                           s.arrivals(late->op.kind, late->op.root, late->number));
   abandon(report);
-  LLMPAR_FAIL(report, ". The communicator is broken: every later operation on it fails");
+  throw TimeoutError(detail::concat(report, ". The communicator is broken: every later operation on it fails"),
+                     __FILE__, __LINE__);
 }
 
 LLMPAR_INLINE bool MpiComm::Request::test() {

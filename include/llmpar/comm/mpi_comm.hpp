@@ -119,12 +119,6 @@
 
 namespace llmpar::comm {
 
-// The exit status of a job the watchdog ends because a rank stopped answering:
-// EX_TEMPFAIL (75, sysexits.h), "try again". A supervisor (tools/supervise.sh, behind
-// `./llmpar.sh train --restarts N`) restarts a run on it and on signals, never on the
-// errors a restart would repeat (train_gpt exits 1 on those).
-inline constexpr int kLostRankExit = 75;
-
 struct MpiOptions {
   // How long an operation may wait for the other ranks. A blocking call that takes
   // longer aborts the job after naming the missing ranks; Request::wait() throws.

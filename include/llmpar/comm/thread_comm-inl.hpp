@@ -268,7 +268,7 @@ LLMPAR_INLINE void ThreadMember::sync(const Op& op, const char* label) {
       concat(label ? std::string(label) : op.describe(), " on ", group().describe(), " timed out after ",
              w.options.timeout.count(), " ms waiting for ", missing, ", which did not arrive");
   w.abort(message);
-  LLMPAR_FAIL(message);
+  throw TimeoutError(message, __FILE__, __LINE__);
 }
 
 LLMPAR_INLINE void ThreadMember::throw_mismatch(const Op& op, bool splitting) {

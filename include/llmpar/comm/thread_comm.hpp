@@ -388,7 +388,7 @@ class ThreadComm : public Collectives<ThreadComm> {
                                " timed out after ", world_->options.timeout.count(), " ms: ", info.member(p->op.root),
                                " did not post the matching ", p->op.kind == Collective::send ? "recv" : "send");
             world_->abort(message);
-            LLMPAR_FAIL(message);
+            throw TimeoutError(message, __FILE__, __LINE__);
           }
           if (error.empty()) error = p->error;
         }

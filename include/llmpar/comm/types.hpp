@@ -37,6 +37,20 @@ namespace detail {
 using llmpar::detail::concat;  // comm::detail would otherwise hide it
 }  // namespace detail
 
+// A collective that waited past the communicator's timeout: a rank stopped answering.
+// An llmpar::Error like any other, of its own type so that a trainer can tell it from
+// the errors a restart would repeat (train_gpt ends the process with kLostRankExit).
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+// The exit status of a job ended because a rank stopped answering (the MPI watchdog's
+// MPI_Abort, train_gpt on a TimeoutError): EX_TEMPFAIL (75, sysexits.h), "try again". A
+// supervisor (tools/supervise.sh, behind `./llmpar.sh train --restarts N`) restarts a
+// run on it and on signals, never on the errors a restart would repeat (exit 1).
+inline constexpr int kLostRankExit = 75;
+
 enum class ReduceOp : std::uint8_t { sum, avg, max, min };
 
 enum class Collective : std::uint8_t {
