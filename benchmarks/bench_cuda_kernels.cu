@@ -26,6 +26,7 @@
 
 #include "llmpar/backend/cuda/gemm.hpp"
 #include "llmpar/backend/cuda/memory.hpp"
+#include "llmpar/core/attention_shape.hpp"
 #include "llmpar/kernels/adamw.cuh"
 #include "llmpar/kernels/attention.cuh"
 #include "llmpar/kernels/cross_entropy.cuh"
@@ -103,31 +104,34 @@ DeviceBuffer<T> filled(std::size_t n, float value) {
   return b;
 }
 
-// Attention, causal: forward 4·B·NH·T²·hs/2 FLOPs; backward 2.5x that.
+// Attention, causal: forward 4·B·NH·T²·hs/2 FLOPs; backward 2.5x that (the FLOPs do
+// not depend on the kv heads: grouped-query attention only shrinks k and v).
+// Arguments: B, T, hs, query heads NH, kv heads KVH.
 template <class T>
 void attention(benchmark::State& state, bool backward) {
-  const std::int64_t B = state.range(0), T_len = state.range(1), hs = state.range(2), NH = 2048 / hs;
-  const std::int64_t C = NH * hs;
-  auto qkv = filled<T>(static_cast<std::size_t>(B * T_len * 3 * C), 0.01f);
-  auto out = filled<T>(static_cast<std::size_t>(B * T_len * C), 0.0f);
-  auto dout = filled<T>(static_cast<std::size_t>(B * T_len * C), 0.01f);
-  auto dqkv = filled<T>(static_cast<std::size_t>(B * T_len * 3 * C), 0.0f);
-  auto lse = filled<float>(static_cast<std::size_t>(B * NH * T_len), 0.0f);
-  auto workspace = filled<float>(static_cast<std::size_t>(kernels::attention_backward_workspace(B, T_len, C, NH)), 0);
-  const double forward_flops = 4.0 * B * NH * static_cast<double>(T_len) * T_len * hs / 2.0;
+  const AttentionShape shape{state.range(0), state.range(1), state.range(3), state.range(4), state.range(2)};
+  const auto n_qkv = static_cast<std::size_t>(shape.batch * shape.seq * shape.row());
+  const auto n_out = static_cast<std::size_t>(shape.batch * shape.seq * shape.q_dim());
+  auto qkv = filled<T>(n_qkv, 0.01f);
+  auto out = filled<T>(n_out, 0.0f);
+  auto dout = filled<T>(n_out, 0.01f);
+  auto dqkv = filled<T>(n_qkv, 0.0f);
+  auto lse = filled<float>(static_cast<std::size_t>(shape.batch * shape.heads * shape.seq), 0.0f);
+  auto workspace = filled<float>(static_cast<std::size_t>(kernels::attention_backward_workspace(shape)), 0);
+  const double forward_flops =
+      4.0 * shape.batch * shape.heads * static_cast<double>(shape.seq) * shape.seq * shape.head_dim / 2.0;
   const double peak = peak_tflops<T>(Fp32Math::strict);  // 16-bit: mma.sync; f32: the SIMT path
-  kernels::attention_forward(device().context.compute(), out.data(), lse.data(), qkv.data(), B, T_len, C, NH);
+  kernels::attention_forward(device().context.compute(), out.data(), lse.data(), qkv.data(), shape);
   if (!backward) {
     time_kernel(
-        state,
-        [&](cudaStream_t s) { kernels::attention_forward(s, out.data(), lse.data(), qkv.data(), B, T_len, C, NH); },
+        state, [&](cudaStream_t s) { kernels::attention_forward(s, out.data(), lse.data(), qkv.data(), shape); },
         forward_flops, 0, peak);
   } else {
     time_kernel(
         state,
         [&](cudaStream_t s) {
           kernels::attention_backward(s, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), workspace.data(),
-                                      B, T_len, C, NH);
+                                      shape);
         },
         2.5 * forward_flops, 0, peak);
   }
@@ -314,8 +318,16 @@ int main(int argc, char** argv) {
     return 0;
   }
   benchmark::Initialize(&argc, argv);
+  // B, T, hs, NH, KVH: GPT-sized multi-head attention over 2048 channels, and Llama-3-8B's
+  // grouped-query attention (32 query heads on 8 kv heads of 128).
   const auto attention_args = [](benchmark::internal::Benchmark* b) {
-    b->Args({4, 4096, 128})->Args({4, 4096, 64})->Args({16, 1024, 64})->UseManualTime()->Unit(benchmark::kMillisecond);
+    b->Args({4, 4096, 128, 16, 16})
+        ->Args({4, 4096, 64, 32, 32})
+        ->Args({16, 1024, 64, 32, 32})
+        ->Args({4, 4096, 128, 32, 8})
+        ->Args({16, 1024, 128, 32, 8})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   };
   benchmark::RegisterBenchmark("attention_forward/bf16", [](benchmark::State& s) {
     attention<bf16>(s, false);
@@ -324,7 +336,7 @@ int main(int argc, char** argv) {
     attention<bf16>(s, true);
   })->Apply(attention_args);
   benchmark::RegisterBenchmark("attention_forward/f32", [](benchmark::State& s) { attention<float>(s, false); })
-      ->Args({4, 1024, 64})
+      ->Args({4, 1024, 64, 32, 32})
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("layernorm_forward/bf16", layernorm_forward<bf16>)

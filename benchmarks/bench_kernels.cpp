@@ -106,7 +106,7 @@ void attention_forward(benchmark::State& state) {
   const std::int64_t B = 4, T = state.range(0), C = 768, NH = 12;
   auto qkv = random_buffer(B * T * 3 * C, 4);
   Buffer<float> out(B * T * C), lse(B * NH * T);
-  for (auto _ : state) cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  for (auto _ : state) cpu::attention_forward(out.data(), lse.data(), qkv.data(), AttentionShape::mha(B, T, C, NH));
   const double flops = 2.0 * 2.0 * static_cast<double>(B * NH) * static_cast<double>(T * T) / 2.0 * (C / NH);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -117,9 +117,10 @@ void attention_backward(benchmark::State& state) {
   auto qkv = random_buffer(B * T * 3 * C, 4);
   auto dout = random_buffer(B * T * C, 5);
   Buffer<float> out(B * T * C), lse(B * NH * T), dqkv(B * T * 3 * C);
-  cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), AttentionShape::mha(B, T, C, NH));
   for (auto _ : state)
-    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(),
+                            AttentionShape::mha(B, T, C, NH));
   const double flops = 5.0 * 2.0 * static_cast<double>(B * NH) * static_cast<double>(T * T) / 2.0 * (C / NH);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Creates (if missing) a Python virtualenv with current PyTorch and NumPy from PyPI for
 # benchmarks/pytorch_step.py, and prints the venv's python path on the last line of stdout.
-# Progress goes to stderr. Idempotent: when the venv's python already imports torch, it only
-# prints the path.
+# It also installs transformers and safetensors, for tests/tools/test_hf_transformers.sh
+# (llmpar's Hugging Face folders against transformers); without them (PyPI unreachable
+# after torch was installed) it warns and the benchmark still works.
+# Progress goes to stderr. Idempotent: when the venv's python already imports all of them,
+# it only prints the path.
 #
 #   bash benchmarks/pytorch_venv.sh               # venv at ~/.cache/llmpar/torch-venv
 #   LLMPAR_TORCH_VENV=/opt/torch-venv bash benchmarks/pytorch_venv.sh
@@ -18,7 +21,16 @@ python="$venv/bin/python"
 log() { printf 'pytorch_venv: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+# transformers and safetensors for the Hugging Face cross-test; a failure is a warning.
+ensure_transformers() {
+  "$python" -c 'import transformers, safetensors' >/dev/null 2>&1 && return 0
+  log "installing transformers and safetensors from PyPI into $venv"
+  "$venv/bin/pip" install transformers safetensors >&2 && "$python" -c 'import transformers, safetensors' >&2 ||
+    log "warning: no transformers in $venv (is PyPI reachable?); tests/tools/test_hf_transformers.sh will skip"
+}
+
 if [[ -x "$python" ]] && "$python" -c 'import torch, numpy' >/dev/null 2>&1; then
+  ensure_transformers
   printf '%s\n' "$python"
   exit 0
 fi
@@ -59,5 +71,6 @@ log "installing torch and numpy from PyPI into $venv (about 5 GB of wheels; this
 "$venv/bin/pip" install --upgrade pip >&2
 "$venv/bin/pip" install torch numpy >&2
 "$python" -c 'import torch, numpy' >&2 || die "torch or numpy does not import from $python"
+ensure_transformers
 log "torch $("$python" -c 'import torch; print(torch.__version__)') ready"
 printf '%s\n' "$python"

@@ -219,10 +219,10 @@ class LlamaBlock {
     // sequence parallelism, nothing without), the heads' partial sums leave ("g").
     attention_norm_.forward(ctx, saved.attention_norm, saved.norm1_out.data(), x, local);
     wqkv_.forward(ctx, saved.qkv.data(), tp_.gather_rows(gathered_.data(), saved.norm1_out.data(), rows, C), rows);
-    rotary_.rotate(saved.qkv.data(), batch, seq, local_dim_, Rotary<T>::Direction::forward);
+    rotary_.rotate(saved.qkv.data(), shape(batch, seq), Rotary<T>::Direction::forward);
     T* att_out = selective_ ? att_out_.data() : saved.att_out.data();
     Acc* lse = selective_ ? lse_.data() : saved.lse.data();
-    Backend::attention_forward(ctx, att_out, lse, saved.qkv.data(), batch, seq, local_dim_, heads_);
+    Backend::attention_forward(ctx, att_out, lse, saved.qkv.data(), shape(batch, seq));
     T* attention_partial = sp ? partial_.data() : saved.x_mid.data();
     wo_.forward_partial(ctx, attention_partial, att_out, rows);
     tp_.reduce_rows(saved.x_mid.data(), attention_partial, rows, C);
@@ -252,7 +252,7 @@ class LlamaBlock {
     const T* att_out = saved.att_out.data();
     const Acc* lse = saved.lse.data();
     if (recompute) {
-      Backend::attention_forward(ctx, att_out_.data(), lse_.data(), saved.qkv.data(), batch, seq, local_dim_, heads_);
+      Backend::attention_forward(ctx, att_out_.data(), lse_.data(), saved.qkv.data(), shape(batch, seq));
       att_out = att_out_.data();
       lse = lse_.data();
     }
@@ -268,9 +268,8 @@ class LlamaBlock {
     Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
     // Attention.
     wo_.backward(ctx, d_att_.data(), tp_.gather_rows(gathered_.data(), dx_mid, rows, C), att_out, rows);
-    Backend::attention_backward(ctx, d_qkv_.data(), d_att_.data(), saved.qkv.data(), att_out, lse, batch, seq,
-                                local_dim_, heads_);
-    rotary_.rotate(d_qkv_.data(), batch, seq, local_dim_, Rotary<T>::Direction::backward);
+    Backend::attention_backward(ctx, d_qkv_.data(), d_att_.data(), saved.qkv.data(), att_out, lse, shape(batch, seq));
+    rotary_.rotate(d_qkv_.data(), shape(batch, seq), Rotary<T>::Direction::backward);
     T* dnorm1 = sp ? partial_.data() : d_c0_.data();
     wqkv_.backward_partial(ctx, dnorm1, d_qkv_.data(),
                            tp_.gather_rows(gathered_.data(), saved.norm1_out.data(), rows, C), rows);
@@ -297,6 +296,10 @@ class LlamaBlock {
   }
 
  private:
+  // This rank's heads of a (batch, seq) micro-batch, for the attention kernels.
+  AttentionShape shape(std::int64_t batch, std::int64_t seq) const {
+    return AttentionShape::mha(batch, seq, local_dim_, heads_);
+  }
   // GPT-2's scaling of the projections that write into the residual stream.
   static float residual_std(const LlamaConfig& cfg) {
     return cfg.init_std / std::sqrt(2.0f * static_cast<float>(cfg.layers));

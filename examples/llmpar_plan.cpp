@@ -281,8 +281,9 @@ plan::Kernels measure_kernels(backend::cpu::Context& ctx, const char* name) {
     B::add_inplace(ctx, y.data() + 2 * n, x.data(), n);
   });
   const double attention = typical_of([&] {
-    B::attention_forward(ctx, y.data(), lse.data(), x.data(), kB, kT, kC, kHeads);
-    B::attention_backward(ctx, dqkv.data(), y.data(), x.data(), y.data(), lse.data(), kB, kT, kC, kHeads);
+    B::attention_forward(ctx, y.data(), lse.data(), x.data(), AttentionShape::mha(kB, kT, kC, kHeads));
+    B::attention_backward(ctx, dqkv.data(), y.data(), x.data(), y.data(), lse.data(),
+                          AttentionShape::mha(kB, kT, kC, kHeads));
   });
   // GELU reads and writes n, LayerNorm the same, the add reads 2n and writes n.
   const double bytes = 7.0 * static_cast<double>(n) * sizeof(T);

@@ -21,13 +21,13 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <thread>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -57,18 +57,18 @@ void test_fault(std::int64_t step, int world_rank) {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
-Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead) {
+Datasets load_datasets(const Options& o, std::int64_t model_vocab, bool lead) {
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
   };
-  const int vocab = static_cast<int>(cfg.vocab);
+  const int vocab = static_cast<int>(std::min<std::int64_t>(model_vocab, 65536));  // the shards' ids are uint16
   if (o.data.empty()) {
     const data::TextCorpus corpus = data::load_text_corpus();
     say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",
         corpus.files.size(), data::kDefaultFortunesDir, static_cast<long long>(corpus.train.size()),
         static_cast<long long>(corpus.val.size()), data::unigram_entropy(corpus.train));
-    LLMPAR_CHECK(cfg.vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
-                 ", the model has ", cfg.vocab);
+    LLMPAR_CHECK(model_vocab >= corpus.vocab_size, "the byte-level corpus needs --vocab >= ", corpus.vocab_size,
+                 ", the model has ", model_vocab);
     return {data::TokenDataset::from_tokens(corpus.train, vocab, "fortunes (train)"),
             data::TokenDataset::from_tokens(corpus.val, vocab, "fortunes (val)")};
   }
@@ -79,46 +79,42 @@ Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lea
   return sets;
 }
 
-nlohmann::json config_record(const Options& o, const models::GPT2Config& cfg, const RunFacts& f) {
-  return {{"type", "config"},
-          {"model", o.model},
-          {"layers", cfg.layers},
-          {"heads", cfg.heads},
-          {"dim", cfg.dim},
-          {"seq", f.seq},
-          {"vocab", cfg.vocab},
-          {"padded_vocab", cfg.padded_vocab},
-          {"init_std", cfg.init_std},
-          {"mup", cfg.mup},
-          {"mup_base_dim", cfg.mup_base_dim},
-          {"parameters", f.parameters},
-          {"ranks", f.ranks},
-          {"tp", o.tp},
-          {"sp", o.sp},
-          {"pp", o.pp},
-          {"schedule", o.schedule},
-          {"virtual_stages", o.virtual_stages},
-          {"partition", f.partition},
-          {"recompute", o.recompute},
-          {"dp", f.dp},
-          {"zero", o.zero},
-          {"micro_batch", o.batch},
-          {"grad_accum", f.grad_accum},
-          {"global_batch", f.global_batch},
-          {"bucket_mb", o.bucket_mb},
-          {"overlap", o.overlap},
-          {"steps", o.steps},
-          {"lr", o.lr},
-          {"warmup", f.warmup},
-          {"final_lr", o.final_lr},
-          {"beta1", o.beta1},
-          {"beta2", o.beta2},
-          {"seed", o.seed},
-          {"precision", o.precision},
-          {"policy", f.policy},
-          {"backend", f.backend},
-          {"peak_gflops", f.peak_gflops},
-          {"peak_source", f.peak_source}};
+nlohmann::json config_record(const Options& o, nlohmann::json model, const RunFacts& f) {
+  model.erase("max_seq");  // the record has the run's seq
+  nlohmann::json record = {{"type", "config"},
+                           {"model", train_gpt::model_name(o)},
+                           {"seq", f.seq},
+                           {"parameters", f.parameters},
+                           {"ranks", f.ranks},
+                           {"tp", o.tp},
+                           {"sp", o.sp},
+                           {"cp", o.cp},
+                           {"pp", o.pp},
+                           {"schedule", o.schedule},
+                           {"virtual_stages", o.virtual_stages},
+                           {"partition", f.partition},
+                           {"recompute", o.recompute},
+                           {"dp", f.dp},
+                           {"zero", o.zero},
+                           {"micro_batch", o.batch},
+                           {"grad_accum", f.grad_accum},
+                           {"global_batch", f.global_batch},
+                           {"bucket_mb", o.bucket_mb},
+                           {"overlap", o.overlap},
+                           {"steps", o.steps},
+                           {"lr", o.lr},
+                           {"warmup", f.warmup},
+                           {"final_lr", o.final_lr},
+                           {"beta1", o.beta1},
+                           {"beta2", o.beta2},
+                           {"seed", o.seed},
+                           {"precision", o.precision},
+                           {"policy", f.policy},
+                           {"backend", f.backend},
+                           {"peak_gflops", f.peak_gflops},
+                           {"peak_source", f.peak_source}};
+  record.update(model);
+  return record;
 }
 
 }  // namespace train_gpt
@@ -141,8 +137,8 @@ namespace {
 // step's shapes (backend/cpu/peak.hpp says why that makes it an upper bound), and the
 // ranks add what they measured.
 train_gpt::Peak start_cpu(const Options& o, comm::Comm& world, backend::cpu::Context& ctx, DType dtype,
-                          const models::GPT2Config& cfg, std::int64_t rows, int tp) {
-  const std::vector<backend::cpu::GemmShape> shapes = backend::cpu::step_gemm_shapes(rows, cfg.linear_sizes(tp));
+                          const train_gpt::LinearSizes& sizes, std::int64_t rows) {
+  const std::vector<backend::cpu::GemmShape> shapes = backend::cpu::step_gemm_shapes(rows, sizes);
   if (dtype == DType::bf16) {
     const backend::cpu::Bf16Paths paths = backend::cpu::choose_bf16_paths(ctx, shapes);
     if (world.rank() == 0)
@@ -263,6 +259,10 @@ int main(int argc, char** argv) {
   app.add_option("--tp", o.tp, "Tensor-parallel degree: split every block's heads and MLP over this many ranks")
       ->capture_default_str();
   app.add_flag("--sp", o.sp, "Sequence parallelism: split the LayerNorm and residual regions' rows over the tp group");
+  app.add_option("--cp", o.cp,
+                 "Context-parallel degree: split every sequence over this many ranks (load-balanced causal chunks, "
+                 "ring attention)")
+      ->capture_default_str();
   app.add_option("--pp", o.pp, "Pipeline stages: split the layers over this many ranks")->capture_default_str();
   app.add_option("--schedule", o.schedule,
                  "Pipeline schedule: gpipe, 1f1b, interleaved (with --virtual-stages) or zb (ZB-H1, zero bubble)")
@@ -288,9 +288,12 @@ int main(int argc, char** argv) {
                  "Continue a run: a step_N checkpoint, a --save directory (its latest), or 'latest' (--save's; none "
                  "yet starts afresh). Any layout loads any other");
   app.add_option("--exit-after", o.exit_after, "Stop after this step (checkpointed with --save), to --resume later");
-  app.add_option("--init-from", o.init_from, "Start from a Hugging Face GPT-2 safetensors file's weights");
+  app.add_option("--init-from", o.init_from,
+                 "Start from Hugging Face weights: a model folder (config.json and safetensors, GPT-2 or Llama: the "
+                 "model its config.json describes) or a GPT-2 safetensors file");
   app.add_option("--export", o.export_to,
-                 "Write the final weights as a Hugging Face GPT-2 safetensors file (--steps 0: convert only)");
+                 "Write the final weights for Hugging Face: DIR, a model folder from_pretrained loads, or (GPT-2) "
+                 "FILE.safetensors (--steps 0: convert only)");
   app.add_flag("--spike-guard", o.spike_guard, "Roll back loss spikes and skip their data (default: on with --save)");
   app.add_flag("--no-spike-guard", o.no_spike_guard, "No loss spike guard, even with --save");
   app.add_option("--spike-factor", o.spike.median_factor, "Spike: a loss above this x the running median (0: off)")
@@ -341,8 +344,8 @@ int main(int argc, char** argv) {
 #endif
         backend::cpu::Context ctx({.bf16 = backend::cpu::bf16_gemm_of_flag(o.cpu_bf16_gemm)});
         const int rc = train_gpt::run_on<backend::Cpu>(
-            o, world, ctx, [&](DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp) {
-              return start_cpu(o, world, ctx, dtype, cfg, rows, tp);
+            o, world, ctx, [&](DType dtype, const train_gpt::LinearSizes& sizes, std::int64_t rows) {
+              return start_cpu(o, world, ctx, dtype, sizes, rows);
             });
         if (world.rank() == 0) status = rc;
       } catch (const comm::TimeoutError& e) {

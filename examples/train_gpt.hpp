@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,8 @@
 #include <llmpar/llmpar.hpp>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "train_gpt_options.hpp"
@@ -51,11 +54,14 @@ inline std::optional<Peak> given_peak(const Options& o) {
   if (o.peak_gflops <= 0.0) return std::nullopt;
   return Peak{o.peak_gflops, std::to_string(o.peak_gflops) + " GFLOP/s, from --peak-gflops"};
 }
-// A backend's start-up for a run in storage type `dtype` of model `cfg` at `rows` rows
-// per micro-batch, split over `tp` ranks (the CPU chooses its bf16 GEMM paths on the
+// The (in, out) sizes of a block's linear layers and the head on one tensor-parallel
+// rank (GPT2Config::linear_sizes, LlamaConfig::linear_sizes).
+using LinearSizes = std::array<std::pair<std::int64_t, std::int64_t>, 5>;
+// A backend's start-up for a run in storage type `dtype` of a model whose linear layers
+// are `sizes` at `rows` rows per micro-batch (the CPU chooses its bf16 GEMM paths on the
 // step's shapes), and its peak: --peak-gflops, or measured, or the data sheet's. Every
 // rank calls it together, before the first step.
-using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg, std::int64_t rows, int tp)>;
+using PeakFinder = std::function<Peak(DType dtype, const LinearSizes& sizes, std::int64_t rows)>;
 
 // The training and validation data: token shards, or the embedded corpus (announced by
 // rank 0, `lead`). In train_gpt.cpp, like everything here that is the same for every
@@ -63,7 +69,7 @@ using PeakFinder = std::function<Peak(DType dtype, const models::GPT2Config& cfg
 struct Datasets {
   data::TokenDataset train, val;
 };
-Datasets load_datasets(const Options& o, const models::GPT2Config& cfg, bool lead);
+Datasets load_datasets(const Options& o, std::int64_t vocab, bool lead);
 
 // A fault for the restart tests, off unless LLMPAR_TEST_FAULT is set: "kill:STEP:RANK"
 // makes world rank RANK kill itself (SIGKILL) after step STEP, "hang:STEP:RANK" makes it
@@ -83,28 +89,49 @@ struct RunFacts {
   double peak_gflops = 0.0;
   std::string peak_source;
 };
-// The metrics log's "config" record: the model, the layout and the run's settings.
-nlohmann::json config_record(const Options& o, const models::GPT2Config& cfg, const RunFacts& f);
+// The metrics log's "config" record: the model (model_record's fields and init_std),
+// the layout and the run's settings.
+nlohmann::json config_record(const Options& o, nlohmann::json model, const RunFacts& f);
+
+// The start-up line of the model.
+inline std::string describe_model(const models::GPT2Config& c) {
+  char s[160] = "";
+  if (c.mup)
+    std::snprintf(s, sizeof s, ", µP base width %lld (width multiplier %g)", static_cast<long long>(c.mup_base_dim),
+                  c.width_mult());
+  return s;
+}
+inline std::string describe_model(const models::LlamaConfig& c) {
+  char s[240];
+  std::snprintf(s, sizeof s, ", Llama: %lld kv heads, SwiGLU %lld, RoPE theta %g%s, %s head",
+                static_cast<long long>(c.kv_heads), static_cast<long long>(c.ffn_dim),
+                static_cast<double>(c.rope.theta), c.rope.scaled() ? " (llama3 scaling)" : "",
+                c.tie_embeddings ? "tied" : "untied");
+  return s;
+}
 
 // One rank's training run at `layout` (validated: layout_of) under the composed policy
-// `Policy` it names (parallel::dispatch: its backend, precision and ZeRO stage).
-template <class Policy>
+// `Policy` it names (parallel::dispatch: its backend, precision and ZeRO stage), of the
+// model Spec names (models::GPT2Spec, models::LlamaSpec).
+template <class Policy, class Spec>
 int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& world,
         typename Policy::backend::Context& ctx, const PeakFinder& find_peak) {
   using B = typename Policy::backend;
   using T = typename Policy::precision::Compute;
+  using Config = typename Spec::Config;
+  constexpr bool kGpt2 = std::is_same_v<Spec, models::GPT2Spec>;
   const bool lead = world.rank() == 0;
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
   };
-  models::GPT2Config cfg = model_config(o);
+  const Config cfg = config_of<Spec>(o);
   const std::int64_t warmup = o.warmup.value_or(std::min<std::int64_t>(20, o.steps));
-  const std::int64_t seq = sequence_length(o, models::GPT2Config::preset(o.model));
+  const std::int64_t seq = sequence_length(o, base_config<Config>(o));
 
-  Datasets sets = load_datasets(o, cfg, lead);
+  Datasets sets = load_datasets(o, cfg.vocab, lead);
   // The rank grid: tp adjacent ranks split each block, the rest replicate the model and
   // read different rows of the batch.
-  comm::Grid grid(world, {.tp = layout.tp, .pp = layout.pp});
+  comm::Grid grid(world, {.tp = layout.tp, .cp = layout.cp, .pp = layout.pp});
   const data::LoaderConfig lc{.batch_size = static_cast<int>(o.batch), .seq_len = static_cast<int>(seq)};
   data::LoaderConfig train_lc = lc;
   train_lc.shuffle = o.shuffle;
@@ -119,7 +146,7 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   data::DataLoader val_loader(sets.val, val_lc);
 
   // This rank's share of the model: its tp split (and sp) and its pipeline chunks.
-  models::GPT2<Policy> model(cfg, o.seed, grid, layout);
+  models::Transformer<Policy, B, Spec> model(cfg, o.seed, grid, layout);
   const pipeline::Placement& placement = model.placement();
   // The checkpoint to resume from, or the weights to start from, read and checked now.
   std::optional<checkpoint::Checkpoint> resume;
@@ -130,20 +157,22 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
     say("resume: no checkpoint in %s yet; starting at step 0\n", o.save.c_str());
   }
   std::optional<checkpoint::Snapshot> initial;
-  if (!o.init_from.empty()) initial.emplace(checkpoint::hf::read_gpt2(o.init_from, cfg));
+  if (!o.init_from.empty()) {
+    if constexpr (kGpt2)
+      initial.emplace(checkpoint::hf::read_gpt2(o.init_from, cfg));
+    else
+      initial.emplace(checkpoint::hf::read_llama(o.init_from, cfg));
+  }
   // The backend's start-up on the model's shapes, and the peak in the run's precision.
-  const Peak peak = find_peak(dtype_of<T>(), cfg, o.batch * seq, o.tp);
-  char mup[96] = "";
-  if (cfg.mup)
-    std::snprintf(mup, sizeof mup, ", µP base width %lld (width multiplier %g)",
-                  static_cast<long long>(cfg.mup_base_dim), cfg.width_mult());
-  say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters%s\n", o.model.c_str(),
+  const Peak peak = find_peak(dtype_of<T>(), cfg.linear_sizes(o.tp), o.batch * seq);
+  say("model: %s, L=%lld H=%lld C=%lld T=%lld V=%lld (padded %lld), %.2fM parameters%s\n", model_name(o).c_str(),
       static_cast<long long>(cfg.layers), static_cast<long long>(cfg.heads), static_cast<long long>(cfg.dim),
       static_cast<long long>(seq), static_cast<long long>(cfg.vocab), static_cast<long long>(cfg.padded_vocab),
-      static_cast<double>(model.num_parameters()) * 1e-6, mup);
+      static_cast<double>(model.num_parameters()) * 1e-6, describe_model(cfg).c_str());
   const std::int64_t accum = layout.grad_accum;
   const std::int64_t global_batch = layout.global_batch();
-  const std::string pp = o.pp > 1 ? " x pp " + std::to_string(o.pp) : std::string();
+  const std::string pp = (o.cp > 1 ? " x cp " + std::to_string(o.cp) : std::string()) +
+                         (o.pp > 1 ? " x pp " + std::to_string(o.pp) : std::string());
   say("train: %lld steps, %d rank%s (%s; tp %d%s%s x dp %d, ZeRO %d) x micro-batch %lld x %lld, grad accum %lld "
       "(global batch %lld), lr %.2e, warmup %lld, %s, %s backend\n",
       static_cast<long long>(o.steps), world.size(), world.size() > 1 ? "s" : "",
@@ -161,7 +190,9 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
   say("MFU peak: %s\n", peak.source.c_str());
 
   train::MetricsWriter metrics(lead ? o.metrics : std::string(), /*append=*/resume.has_value());
-  metrics.write(config_record(o, cfg,
+  nlohmann::json model_fields = model_record(cfg);
+  model_fields["init_std"] = cfg.init_std;
+  metrics.write(config_record(o, std::move(model_fields),
                               {.seq = seq,
                                .parameters = model.num_parameters(),
                                .ranks = world.size(),
@@ -287,8 +318,16 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
     }
     if (lead) {
       const auto c = checkpoint::Checkpoint::open(from);
-      checkpoint::hf::write_gpt2(o.export_to, c.source(), cfg);
-      say("export: %s (Hugging Face GPT-2 names, F32)\n", o.export_to.c_str());
+      if constexpr (kGpt2) {
+        if (export_folder(o))
+          checkpoint::hf::write_gpt2_folder(o.export_to, c.source(), cfg);
+        else
+          checkpoint::hf::write_gpt2(o.export_to, c.source(), cfg);
+      } else {
+        checkpoint::hf::write_llama(o.export_to, c.source(), cfg);
+      }
+      say("export: %s (Hugging Face %s names, F32%s)\n", o.export_to.c_str(), kGpt2 ? "GPT-2" : "Llama",
+          export_folder(o) ? "; config.json and model.safetensors, for from_pretrained" : "");
     }
     world.barrier();
     if (lead && o.save.empty()) std::filesystem::remove_all(parts);
@@ -317,28 +356,36 @@ template <class B>
 int run_on(const Options& o, comm::Comm& world, typename B::Context& ctx, const PeakFinder& find_peak) {
   validate(o, world.size());
   const parallel::LayoutConfig layout = layout_of(o, world.size());
-  return parallel::dispatch<B>(layout, [&]<class Policy>() { return run<Policy>(o, layout, world, ctx, find_peak); });
+  if (is_llama(o))
+    return parallel::dispatch<B>(
+        layout, [&]<class Policy>() { return run<Policy, models::LlamaSpec>(o, layout, world, ctx, find_peak); });
+  return parallel::dispatch<B>(
+      layout, [&]<class Policy>() { return run<Policy, models::GPT2Spec>(o, layout, world, ctx, find_peak); });
 }
 
-// run<Policy> for the four ZeRO stages of one precision on one backend: declared with
-// EXTERN = extern, defined (instantiated) with it empty.
-#define TRAIN_GPT_RUN_POLICIES(EXTERN, Backend, Precision)                                               \
-  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 0>>(                            \
+// run<Policy, Spec> for the four ZeRO stages of one precision on one backend: declared
+// with EXTERN = extern, defined (instantiated) with it empty.
+#define TRAIN_GPT_RUN_POLICIES(EXTERN, Backend, Precision, Spec)                                         \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 0>, Spec>(                      \
       const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
-  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 1>>(                            \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 1>, Spec>(                      \
       const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
-  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 2>>(                            \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 2>, Spec>(                      \
       const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&); \
-  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 3>>(                            \
+  EXTERN template int run<parallel::ConfiguredPolicy<Backend, Precision, 3>, Spec>(                      \
       const Options&, const parallel::LayoutConfig&, comm::Comm&, Backend::Context&, const PeakFinder&);
+// ... for both models.
+#define TRAIN_GPT_RUN_MODELS(EXTERN, Backend, Precision)               \
+  TRAIN_GPT_RUN_POLICIES(EXTERN, Backend, Precision, models::GPT2Spec) \
+  TRAIN_GPT_RUN_POLICIES(EXTERN, Backend, Precision, models::LlamaSpec)
 
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cpu, precision::FP32)
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cpu, precision::BF16Mixed)
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cpu, precision::FP16Mixed<precision::DynamicLossScale>)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cpu, precision::FP32)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cpu, precision::BF16Mixed)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cpu, precision::FP16Mixed<precision::DynamicLossScale>)
 #if defined(LLMPAR_TRAIN_GPT_CUDA)
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cuda, precision::FP32)
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cuda, precision::BF16Mixed)
-TRAIN_GPT_RUN_POLICIES(extern, backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cuda, precision::FP32)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cuda, precision::BF16Mixed)
+TRAIN_GPT_RUN_MODELS(extern, backend::Cuda, precision::FP16Mixed<precision::DynamicLossScale>)
 #endif
 
 }  // namespace train_gpt

@@ -31,7 +31,7 @@ int run_cuda(const Options& o, comm::Comm& world) {
 #endif
   // The MFU denominator: --peak-gflops, or the data sheet's dense peak of each GPU in the run's precision
   // (bf16/f16 tensor cores; TF32 or CUDA cores for fp32), times the GPUs.
-  return run_on<backend::Cuda>(o, world, ctx, [&](DType dtype, const models::GPT2Config&, std::int64_t, int) {
+  return run_on<backend::Cuda>(o, world, ctx, [&](DType dtype, const LinearSizes&, std::int64_t) {
     if (const auto given = given_peak(o)) return *given;
     const double tflops = backend::cuda::datasheet_peak_tflops(device, dtype, fp32);
     char source[160];

@@ -1,24 +1,30 @@
-// llmpar/kernels/attention.cuh — multi-head self-attention on CUDA, flash style.
+// llmpar/kernels/attention.cuh — multi-head and grouped-query self-attention on CUDA,
+// flash style.
 //
-//   out[b,t,h] = sum_{s<=t} softmax_s(q_t . k_s / sqrt(hs)) v_s      (per head h)
+//   out[b,t,h] = sum_{s<=t} softmax_s(q_t . k_s / sqrt(hs)) v_s      (per query head h)
 //
-// The CUDA twin of backend/cpu/attention.hpp: the same layout (qkv (B, T, 3C) with
-// q = [0, C), k = [C, 2C), v = [2C, 3C), head h at columns [h*hs, (h+1)*hs); out (B, T, C);
+// The CUDA twin of backend/cpu/attention.hpp: the same layout (core/attention_shape.hpp:
+// qkv (B, T, R), R = (NH + 2 KVH) hs, per row the q of the NH query heads, then the k of
+// the KVH kv heads, then their v; query head h reads kv head g = h % KVH; out (B, T, NH hs);
 // lse (B, NH, T)), the same math (math::OnlineSoftmax, math::exp) and the same outputs.
+// Multi-head attention is KVH = NH (GPT-2, R = 3C), grouped-query KVH < NH (Llama 3),
+// multi-query KVH = 1. The kernels take the AttentionShape itself and ask it for every
+// column offset (q_col, k_col, v_col), so the layout is written in one place.
 // Nothing of size T x T is stored. The mask is causal (GPT) or none (AttentionMask).
 //
 // Forward, SIMT path (float storage, 16-bit storage in views the tensor-core path
-// cannot load, and the reference of that path). One CTA per (query tile, b*h): its
-// kQueryTile query rows are staged in shared memory once; key and value tiles of 32 keys
-// stream through shared memory in order. Each warp owns kRowsPerWarp query rows and each
-// lane one key of the tile: a lane dots its key with all of the warp's rows (the rows are
-// broadcast reads, its key row is padded to kHs + 1 floats so the 32 lanes hit 32 banks), the
-// warp reduces each row's tile max and sum with shuffles, and every lane keeps the same
-// math::OnlineSoftmax state per row. For p . V the roles turn: a lane owns the columns
-// d = lane + 32 e of each row's unnormalised output (registers) and reads the row's 32
-// weights back from a per-warp shared strip. Key tiles above the diagonal are never
-// loaded, warps whose rows all precede a tile skip it, and the diagonal tile is masked
-// per element. Rows are normalised at the end and lse = log-sum-exp is written.
+// cannot load, and the reference of that path). One CTA per (query tile, b*h), query
+// head h: its kQueryTile query rows are staged in shared memory once; key and value
+// tiles of 32 keys of h's kv head stream through shared memory in order. Each warp owns
+// kRowsPerWarp query rows and each lane one key of the tile: a lane dots its key with
+// all of the warp's rows (the rows are broadcast reads, its key row is padded to kHs + 1
+// floats so the 32 lanes hit 32 banks), the warp reduces each row's tile max and sum
+// with shuffles, and every lane keeps the same math::OnlineSoftmax state per row. For
+// p . V the roles turn: a lane owns the columns d = lane + 32 e of each row's
+// unnormalised output (registers) and reads the row's 32 weights back from a per-warp
+// shared strip. Key tiles above the diagonal are never loaded, warps whose rows all
+// precede a tile skip it, and the diagonal tile is masked per element. Rows are
+// normalised at the end and lse = log-sum-exp is written.
 //
 // Forward, tensor-core path (bf16/f16 storage, every head size). Attention is two
 // matrix products per tile; on CUDA cores in float it runs at a few percent of an
@@ -51,16 +57,28 @@
 // test_cuda_emulation_attention, checks them against the CPU kernel at every head size.
 //
 // Backward (FlashAttention-2), three kernels, all deterministic (no atomics):
-//   1. D_t = dout_t . out_t, one warp per row, into the caller's workspace (B, NH, T).
-//   2. dK, dV: one CTA per (key tile, b*h); the CTA's keys sit in shared memory, and the
-//      query tiles from the one holding its first key on (all of them without a mask)
-//      stream through it in order, 32 rows each, one row per lane: p = exp(s - lse), dp = dout . v,
-//      ds = p (dp - D) scale; dv += p dout, dk += ds q, accumulated in registers by the
-//      warp that owns the key (lane = column, as in the forward's p . V).
-//   3. dQ: one CTA per (query tile, b*h), the forward's shape, visiting key tiles in
-//      order and recomputing p and ds; dq += ds k. Recomputing s in a second kernel
-//      costs one more Q K^T, but it is what makes dq a fixed-order sum without a
-//      (key tiles x T x hs) workspace or float atomics.
+//   1. D_t = dout_t . out_t, one warp per (query head, row), into the caller's workspace
+//      (B, NH, T).
+//   2. dK, dV: one CTA per (key tile, b*KVH + g), kv head g; the CTA's keys sit in shared
+//      memory, and the query tiles from the one holding its first key on (all of them
+//      without a mask) stream through it in order, 32 rows each, one row per lane, each
+//      tile once per query head of g's group (h = g, g + KVH, ..., in order):
+//      p = exp(s - lse), dp = dout . v, ds = p (dp - D) scale; dv += p dout, dk += ds q,
+//      accumulated in registers by the warp that owns the key (lane = column, as in the
+//      forward's p . V) across the whole group, and written once. Under grouped-query
+//      attention a kv head's gradient is the sum over its NH / KVH query heads; summing
+//      them in the CTA that owns the key tile, rather than in one CTA per query head, keeps
+//      the sum in a fixed order without atomics or a (group x T x hs) workspace, and loads
+//      the keys once per group. Heads inside tiles, not tiles inside heads: the group's q
+//      and dout rows of a tile are neighbours in memory, and with the heads outside ptxas
+//      (nvcc 13, sm_90a) spilled at kHs 64. The grid has KVH / NH as many CTAs, each with
+//      NH / KVH times the work (Llama-3-8B's 32 heads on 8 at B = 4, T = 4096: 4096 CTAs,
+//      enough for any GPU). With KVH = NH the group is one head and the kernel computes
+//      what the multi-head one did, bit for bit.
+//   3. dQ: one CTA per (query tile, b*NH + h), the forward's shape, visiting the key tiles
+//      of h's kv head in order and recomputing p and ds; dq += ds k. Recomputing s in a
+//      second kernel costs one more Q K^T, but it is what makes dq a fixed-order sum
+//      without a (key tiles x T x hs) workspace or float atomics.
 // Every sum runs in a fixed order fixed by the tile constants (never by timing), so
 // results are bitwise reproducible run to run. The tiles differ from the CPU kernel's,
 // so the two agree to float rounding, not bitwise.
@@ -82,7 +100,8 @@
 // mostly use, are buckets and pay nothing for the others; a padded head (e.g. 80 in 128)
 // pays the padding's flops instead. Rows per warp shrink with kHs so the SIMT
 // accumulators fit the registers; no instantiation spills (nvcc -Xptxas -v, sm_90a and
-// sm_80; the tensor-core forward at 256 uses 254 of the 255 registers a thread can have).
+// sm_80; the tensor-core forward at 256 uses 254 or 255 of the 255 registers a thread
+// can have).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -95,6 +114,7 @@
 #include <utility>
 
 #include "llmpar/backend/cuda/check.hpp"
+#include "llmpar/core/attention_shape.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/kernels/common.cuh"
 #include "llmpar/math/exp.hpp"
@@ -112,7 +132,7 @@ inline constexpr int kThreads = kWarps * kWarp;  // threads per CTA
 inline constexpr int kKeyTile = kWarp;           // keys per streamed key tile (forward, dq): one per lane
 inline constexpr int kRowTile = kWarp;           // query rows per streamed query tile (dk/dv): one per lane
 
-// The supported head sizes hs = C / NH: kHeadSizeStep, 2 kHeadSizeStep, ... up to kMaxHeadSize,
+// The supported head sizes hs: kHeadSizeStep, 2 kHeadSizeStep, ... up to kMaxHeadSize,
 // from kMinHeadSize.
 inline constexpr int kMinHeadSize = 16;
 inline constexpr int kMaxHeadSize = 256;
@@ -144,14 +164,6 @@ decltype(auto) with_mask(AttentionMask mask, F&& f) {
   return f(std::integral_constant<AttentionMask, AttentionMask::none>{});
 }
 
-// What every kernel is told of the problem besides its pointers (B is the grid's).
-struct Shape {
-  std::int64_t T_len;  // tokens per sequence
-  std::int64_t C;      // channels, NH heads of hs
-  std::int64_t NH;     // heads
-  int hs;              // head size C / NH: a multiple of 8, at most the kernel's compiled kHs
-};
-
 // Tile shapes of the SIMT kernels compiled for head size kHs.
 template <int kHs>
 struct Tiles {
@@ -174,10 +186,12 @@ struct Tiles {
   // CTAs per SM a kernel asks registers for (__launch_bounds__' second argument; 3 caps
   // a thread at 168 registers, 2 at 255). 0 leaves the count to ptxas, which weighs
   // occupancy against spills itself; where it chose a few bytes of spills (dq at kHs 64
-  // and 256, nvcc 13, sm_90a), the count is set to where nothing spills.
+  // and 256, dk/dv at 256 since its query-head loop; nvcc 13, sm_90a), the count is set
+  // to where nothing spills. (dk/dv at 256 is held to 2 CTAs per SM by its 100 KiB of
+  // shared memory anyway, so its 167 registers cost no occupancy.)
   static constexpr int kForwardMinBlocks = 0;
   static constexpr int kDqMinBlocks = kHs == 64 ? 2 : kHs == 256 ? 3 : 0;
-  static constexpr int kDkvMinBlocks = 0;
+  static constexpr int kDkvMinBlocks = kHs == 256 ? 3 : 0;
 
   // Shared memory of each kernel, in floats. Every part is a multiple of 4 floats, so
   // each part starts 16-byte aligned (float4 reads).
@@ -263,34 +277,37 @@ __device__ __forceinline__ void axpy_lanes(float (&acc)[kRows][kHs / kWarp], con
 
 // Grid: (B*NH, query tiles), the last query tile (most keys) at blockIdx.y = 0 so the
 // longest CTAs start first. Block: kThreads. Dynamic shared memory: kForwardSmem floats.
-// out: (B, T, C); lse: (B, NH, T); qkv: (B, T, 3C); shape.hs <= kHs.
+// out: (B, T, NH hs); lse: (B, NH, T); qkv: (B, T, R); shape.head_dim <= kHs.
 template <class T, int kHs, AttentionMask kMask>
 __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kForwardMinBlocks)
-    forward_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, Shape shape) {
+    forward_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv,
+                   AttentionShape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kRows = Tl::kRowsPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  float* qs = dynamic_shared_memory<float>();      // (kQueryTile, kHs) this CTA's q rows
-  float* ks = qs + Tl::kQueryTile * kHs;           // (kKeyTile, kPadded) key tile
-  float* vs = ks + kKeyTile * kPadded;             // (kKeyTile, kHs) value tile
-  float* ps = vs + kKeyTile * kHs;                 // (kWarps, kRows, kKeyTile) weights
+  float* qs = dynamic_shared_memory<float>();  // (kQueryTile, kHs) this CTA's q rows
+  float* ks = qs + Tl::kQueryTile * kHs;       // (kKeyTile, kPadded) key tile
+  float* vs = ks + kKeyTile * kPadded;         // (kKeyTile, kHs) value tile
+  float* ps = vs + kKeyTile * kHs;             // (kWarps, kRows, kKeyTile) weights
 
-  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
-  const int hs = shape.hs;
+  const std::int64_t T_len = shape.seq, R = shape.row(), Q = shape.q_dim();
+  const int hs = static_cast<int>(shape.head_dim);
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t bh = blockIdx.x;
-  const std::int64_t b = bh / NH;
-  const std::int64_t h = bh % NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t b = bh / shape.heads;
+  const std::int64_t h = bh % shape.heads;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * Tl::kQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(Tl::kQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const T* rows = qkv + b * T_len * R;                    // (T, R) of batch b
+  const T* qh = rows + shape.q_col(h);                    // (T, hs) at stride R: this head's q
+  const T* kh = rows + shape.k_col(shape.kv_head_of(h));  // its kv head's k
+  const T* vh = rows + shape.v_col(shape.kv_head_of(h));  // and v
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni, hs);
+  load_tile<kHs, Tl::kQueryTile, kHs>(qs, qh + i0 * R, R, ni, hs);
 
   const std::int64_t r0 = i0 + warp * kRows;  // this warp's first row
   const float* qw = qs + warp * kRows * kHs;  // (kRows, kHs) this warp's q rows
@@ -302,8 +319,8 @@ __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kForwardMinBlocks)
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj, hs);
-    load_tile<kHs, kKeyTile, kHs>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
+    load_tile<kHs, kKeyTile, kPadded>(ks, kh + j0 * R, R, nj, hs);
+    load_tile<kHs, kKeyTile, kHs>(vs, vh + j0 * R, R, nj, hs);
     __syncthreads();                               // ks, vs (and, at the first tile, qs) are written
     if (r0 >= T_len) continue;                     // this warp's rows are all padding
     if (kCausal && j0 > r0 + kRows - 1) continue;  // every key is after every row of this warp
@@ -337,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kForwardMinBlocks)
     const std::int64_t i = r0 + r;
     if (i >= T_len) break;
     const float inv = 1.0f / state[r].sum;
-    T* orow = out + (b * T_len + i) * C + h * hs;  // (hs)
+    T* orow = out + (b * T_len + i) * Q + h * hs;  // (hs)
 #pragma unroll
     for (int e = 0; e < kE; ++e)
       if (lane + kWarp * e < hs) orow[lane + kWarp * e] = store<T>(o[r][e] * inv);
@@ -347,55 +364,59 @@ __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kForwardMinBlocks)
 
 // D[bh, t] = dout[b, t, head h] . out[b, t, head h]: one warp per row, lane l summing
 // columns l, l + 32, ... in order (any hs: nothing is kept per column).
-// Grid: ceil(B*NH*T / kWarps). dsum: (B, NH, T); dout, out: (B, T, C).
+// Grid: ceil(B*NH*T / kWarps). dsum: (B, NH, T); dout, out: (B, T, NH hs).
 template <class T>
-__global__ void __launch_bounds__(kThreads) dsum_kernel(float* LLMPAR_RESTRICT dsum, const T* LLMPAR_RESTRICT dout,
-                                                        const T* LLMPAR_RESTRICT out, std::int64_t rows, Shape shape) {
+__global__ void __launch_bounds__(kThreads)
+    dsum_kernel(float* LLMPAR_RESTRICT dsum, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT out,
+                std::int64_t rows, AttentionShape shape) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
   if (row >= rows) return;  // the whole warp: its lanes share the row
-  const std::int64_t bh = row / shape.T_len;
-  const std::int64_t t = row % shape.T_len;
-  const std::int64_t offset = ((bh / shape.NH) * shape.T_len + t) * shape.C + (bh % shape.NH) * shape.hs;
+  const std::int64_t bh = row / shape.seq;
+  const std::int64_t t = row % shape.seq;
+  const std::int64_t offset =
+      ((bh / shape.heads) * shape.seq + t) * shape.q_dim() + (bh % shape.heads) * shape.head_dim;
   float acc = 0.0f;
-  for (int d = lane; d < shape.hs; d += kWarp) acc = fmaf(load(dout[offset + d]), load(out[offset + d]), acc);
+  for (int d = lane; d < shape.head_dim; d += kWarp) acc = fmaf(load(dout[offset + d]), load(out[offset + d]), acc);
   acc = warp_sum(acc);
   if (lane == 0) dsum[row] = acc;
 }
 
 // dq. Grid: (B*NH, query tiles), last tile first. Dynamic shared memory: kDqSmem floats.
-// dqkv: (B, T, 3C), columns [0, C) written; dout: (B, T, C); qkv: (B, T, 3C);
-// lse, dsum: (B, NH, T); shape.hs <= kHs.
+// dqkv: (B, T, R), the q columns [0, NH hs) written; dout: (B, T, NH hs); qkv: (B, T, R);
+// lse, dsum: (B, NH, T); shape.head_dim <= kHs.
 template <class T, int kHs, AttentionMask kMask>
 __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDqMinBlocks)
     backward_dq_kernel(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                       const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, Shape shape) {
+                       const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, AttentionShape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kRows = Tl::kRowsPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  float* qs = dynamic_shared_memory<float>();      // (kQueryTile, kHs) q rows
-  float* gs = qs + Tl::kQueryTile * kHs;           // (kQueryTile, kHs) dout rows
-  float* ks = gs + Tl::kQueryTile * kHs;           // (kKeyTile, kPadded) key tile
-  float* vs = ks + kKeyTile * kPadded;             // (kKeyTile, kPadded) value tile
-  float* dss = vs + kKeyTile * kPadded;            // (kWarps, kRows, kKeyTile) ds * scale
+  float* qs = dynamic_shared_memory<float>();  // (kQueryTile, kHs) q rows
+  float* gs = qs + Tl::kQueryTile * kHs;       // (kQueryTile, kHs) dout rows
+  float* ks = gs + Tl::kQueryTile * kHs;       // (kKeyTile, kPadded) key tile
+  float* vs = ks + kKeyTile * kPadded;         // (kKeyTile, kPadded) value tile
+  float* dss = vs + kKeyTile * kPadded;        // (kWarps, kRows, kKeyTile) ds * scale
 
-  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
-  const int hs = shape.hs;
+  const std::int64_t T_len = shape.seq, R = shape.row(), Q = shape.q_dim();
+  const int hs = static_cast<int>(shape.head_dim);
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const std::int64_t bh = blockIdx.x;
-  const std::int64_t b = bh / NH;
-  const std::int64_t h = bh % NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t b = bh / shape.heads;
+  const std::int64_t h = bh % shape.heads;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * Tl::kQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(Tl::kQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const T* rows = qkv + b * T_len * R;                    // (T, R) of batch b
+  const T* qh = rows + shape.q_col(h);                    // (T, hs) at stride R: this head's q
+  const T* kh = rows + shape.k_col(shape.kv_head_of(h));  // its kv head's k
+  const T* vh = rows + shape.v_col(shape.kv_head_of(h));  // and v
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kQueryTile, kHs>(qs, head + i0 * C3, C3, ni, hs);
-  load_tile<kHs, Tl::kQueryTile, kHs>(gs, dout + (b * T_len + i0) * C + h * hs, C, ni, hs);
+  load_tile<kHs, Tl::kQueryTile, kHs>(qs, qh + i0 * R, R, ni, hs);
+  load_tile<kHs, Tl::kQueryTile, kHs>(gs, dout + (b * T_len + i0) * Q + h * hs, Q, ni, hs);
 
   const std::int64_t r0 = i0 + warp * kRows;   // this warp's first row
   const float* qw = qs + warp * kRows * kHs;   // (kRows, kHs)
@@ -415,8 +436,8 @@ __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDqMinBlocks)
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile<kHs, kKeyTile, kPadded>(ks, head + j0 * C3 + C, C3, nj, hs);
-    load_tile<kHs, kKeyTile, kPadded>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
+    load_tile<kHs, kKeyTile, kPadded>(ks, kh + j0 * R, R, nj, hs);
+    load_tile<kHs, kKeyTile, kPadded>(vs, vh + j0 * R, R, nj, hs);
     __syncthreads();  // ks, vs (and, at the first tile, qs and gs) are written
     if (r0 >= T_len) continue;
     if (kCausal && j0 > r0 + kRows - 1) continue;
@@ -441,106 +462,115 @@ __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDqMinBlocks)
   for (int r = 0; r < kRows; ++r) {
     const std::int64_t i = r0 + r;
     if (i >= T_len) break;
-    T* drow = dqkv + (b * T_len + i) * C3 + h * hs;  // (hs) dq of row i
+    T* drow = dqkv + (b * T_len + i) * R + shape.q_col(h);  // (hs) dq of row i
 #pragma unroll
     for (int e = 0; e < kE; ++e)
       if (lane + kWarp * e < hs) drow[lane + kWarp * e] = store<T>(dq[r][e]);
   }
 }
 
-// dk, dv. Grid: (B*NH, key tiles of kKeyTileBwd), the first key tile (most query rows
+// dk, dv. Grid: (B*KVH, key tiles of kKeyTileBwd), the first key tile (most query rows
 // under a causal mask) at blockIdx.y = 0. Dynamic shared memory: kDkvSmem floats.
-// dqkv: (B, T, 3C), columns [C, 3C) written; the rest as backward_dq_kernel.
+// dqkv: (B, T, R), kv head g's k and v columns written, summed over the query heads
+// h = g, g + KVH, ... that read it; the rest as backward_dq_kernel.
 template <class T, int kHs, AttentionMask kMask>
 __global__ void __launch_bounds__(kThreads, Tiles<kHs>::kDkvMinBlocks)
     backward_dkv_kernel(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                        const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, Shape shape) {
+                        const float* LLMPAR_RESTRICT lse, const float* LLMPAR_RESTRICT dsum, AttentionShape shape) {
   using Tl = Tiles<kHs>;
   constexpr int kKeys = Tl::kKeysPerWarp;
   constexpr int kE = Tl::kPerLane;
   constexpr int kPadded = Tl::kPadded;
   constexpr bool kCausal = kMask == AttentionMask::causal;
-  float* kown = dynamic_shared_memory<float>();      // (kKeyTileBwd, kHs) this CTA's key rows
-  float* vown = kown + Tl::kKeyTileBwd * kHs;        // (kKeyTileBwd, kHs) its value rows
-  float* qs = vown + Tl::kKeyTileBwd * kHs;          // (kRowTile, kPadded) query tile
-  float* gs = qs + kRowTile * kPadded;               // (kRowTile, kPadded) dout tile
-  float* ps = gs + kRowTile * kPadded;               // (kWarps, kKeys, kRowTile) p
-  float* dss = ps + Tl::kKeyTileBwd * kRowTile;      // (kWarps, kKeys, kRowTile) ds * scale
-  float* ls = dss + Tl::kKeyTileBwd * kRowTile;      // (kRowTile) lse of the tile's rows
-  float* Ds = ls + kRowTile;                         // (kRowTile) D of the tile's rows
+  float* kown = dynamic_shared_memory<float>();  // (kKeyTileBwd, kHs) this CTA's key rows
+  float* vown = kown + Tl::kKeyTileBwd * kHs;    // (kKeyTileBwd, kHs) its value rows
+  float* qs = vown + Tl::kKeyTileBwd * kHs;      // (kRowTile, kPadded) query tile
+  float* gs = qs + kRowTile * kPadded;           // (kRowTile, kPadded) dout tile
+  float* ps = gs + kRowTile * kPadded;           // (kWarps, kKeys, kRowTile) p
+  float* dss = ps + Tl::kKeyTileBwd * kRowTile;  // (kWarps, kKeys, kRowTile) ds * scale
+  float* ls = dss + Tl::kKeyTileBwd * kRowTile;  // (kRowTile) lse of the tile's rows
+  float* Ds = ls + kRowTile;                     // (kRowTile) D of the tile's rows
 
-  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
-  const int hs = shape.hs;
+  const std::int64_t T_len = shape.seq, R = shape.row(), Q = shape.q_dim();
+  const std::int64_t NH = shape.heads, KVH = shape.kv_heads;
+  const int hs = static_cast<int>(shape.head_dim);
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const std::int64_t bh = blockIdx.x;
-  const std::int64_t b = bh / NH;
-  const std::int64_t h = bh % NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t bg = blockIdx.x;
+  const std::int64_t b = bg / KVH;
+  const std::int64_t g = bg % KVH;  // the kv head
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.y) * Tl::kKeyTileBwd;
   const int nj = static_cast<int>(std::min<std::int64_t>(Tl::kKeyTileBwd, T_len - j0));
-  const T* head = qkv + b * T_len * C3 + h * hs;   // (T, 3C), at this head's q columns
-  const T* ghead = dout + b * T_len * C + h * hs;  // (T, C), at this head's columns
+  const T* rows = qkv + b * T_len * R;  // (T, R) of batch b
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
-  load_tile<kHs, Tl::kKeyTileBwd, kHs>(kown, head + j0 * C3 + C, C3, nj, hs);
-  load_tile<kHs, Tl::kKeyTileBwd, kHs>(vown, head + j0 * C3 + 2 * C, C3, nj, hs);
+  load_tile<kHs, Tl::kKeyTileBwd, kHs>(kown, rows + j0 * R + shape.k_col(g), R, nj, hs);
+  load_tile<kHs, Tl::kKeyTileBwd, kHs>(vown, rows + j0 * R + shape.v_col(g), R, nj, hs);
 
   const std::int64_t k0 = j0 + warp * kKeys;    // this warp's first key
   const float* kw = kown + warp * kKeys * kHs;  // (kKeys, kHs)
   const float* vw = vown + warp * kKeys * kHs;  // (kKeys, kHs)
   float* pw = ps + warp * kKeys * kRowTile;     // (kKeys, kRowTile)
   float* dsw = dss + warp * kKeys * kRowTile;   // (kKeys, kRowTile)
-  float dk[kKeys][kE] = {};
+  float dk[kKeys][kE] = {};                     // summed over the tiles and the group
   float dv[kKeys][kE] = {};
 
   // Under the causal mask rows before j0 see none of these keys: the first visited query
   // tile is the one holding row j0 (its rows before j0 are masked like any row before a key).
+  // Each query tile is visited once per query head of kv head g, h = g, g + KVH, ... in
+  // order, so dk and dv sum over the tiles in order and, within a tile, over the heads.
   for (std::int64_t i0 = kCausal ? j0 - j0 % kRowTile : 0; i0 < T_len; i0 += kRowTile) {
-    const int ni = static_cast<int>(std::min<std::int64_t>(kRowTile, T_len - i0));
-    __syncthreads();  // the previous query tile is no longer read
-    load_tile<kHs, kRowTile, kPadded>(qs, head + i0 * C3, C3, ni, hs);
-    load_tile<kHs, kRowTile, kPadded>(gs, ghead + i0 * C, C, ni, hs);
-    if (threadIdx.x < kRowTile) {
-      const int t = static_cast<int>(threadIdx.x);
-      ls[t] = t < ni ? lse[bh * T_len + i0 + t] : 0.0f;
-      Ds[t] = t < ni ? dsum[bh * T_len + i0 + t] : 0.0f;
-    }
-    __syncthreads();                                  // the query tile (and, at the first, kown and vown) is written
-    if (k0 >= T_len) continue;                        // this warp's keys are all padding
-    if (kCausal && k0 > i0 + kRowTile - 1) continue;  // every key is after every row of the tile
+    for (std::int64_t h = g; h < NH; h += KVH) {
+      const T* qh = rows + shape.q_col(h);                // (T, hs) at stride R
+      const T* gh = dout + b * T_len * Q + h * hs;        // (T, hs) at stride Q
+      const float* lse_h = lse + (b * NH + h) * T_len;    // (T)
+      const float* dsum_h = dsum + (b * NH + h) * T_len;  // (T)
+      const int ni = static_cast<int>(std::min<std::int64_t>(kRowTile, T_len - i0));
+      __syncthreads();  // the previous query tile (of this head or the one before) is no longer read
+      load_tile<kHs, kRowTile, kPadded>(qs, qh + i0 * R, R, ni, hs);
+      load_tile<kHs, kRowTile, kPadded>(gs, gh + i0 * Q, Q, ni, hs);
+      if (threadIdx.x < kRowTile) {
+        const int t = static_cast<int>(threadIdx.x);
+        ls[t] = t < ni ? lse_h[i0 + t] : 0.0f;
+        Ds[t] = t < ni ? dsum_h[i0 + t] : 0.0f;
+      }
+      __syncthreads();                                  // the query tile (and, at the first, kown and vown) is written
+      if (k0 >= T_len) continue;                        // this warp's keys are all padding
+      if (kCausal && k0 > i0 + kRowTile - 1) continue;  // every key is after every row of the tile
 
-    float s[kKeys] = {};   // k_{k0 + k} . q_{i0 + lane}
-    float dp[kKeys] = {};  // v_{k0 + k} . dout_{i0 + lane}
-    dot_rows<kHs, kKeys>(s, kw, qs + lane * kPadded);
-    dot_rows<kHs, kKeys>(dp, vw, gs + lane * kPadded);
-    const std::int64_t i = i0 + lane;
-    const float l = ls[lane];
-    const float Di = Ds[lane];
+      float s[kKeys] = {};   // k_{k0 + k} . q_{i0 + lane}
+      float dp[kKeys] = {};  // v_{k0 + k} . dout_{i0 + lane}
+      dot_rows<kHs, kKeys>(s, kw, qs + lane * kPadded);
+      dot_rows<kHs, kKeys>(dp, vw, gs + lane * kPadded);
+      const std::int64_t i = i0 + lane;
+      const float l = ls[lane];
+      const float Di = Ds[lane];
 #pragma unroll
-    for (int k = 0; k < kKeys; ++k) {
-      const std::int64_t j = k0 + k;
-      const bool valid = lane < ni && j < T_len && (!kCausal || j <= i);
-      const float p = valid ? math::exp(s[k] * scale - l) : 0.0f;
-      pw[k * kRowTile + lane] = p;
-      dsw[k * kRowTile + lane] = p * (dp[k] - Di) * scale;
+      for (int k = 0; k < kKeys; ++k) {
+        const std::int64_t j = k0 + k;
+        const bool valid = lane < ni && j < T_len && (!kCausal || j <= i);
+        const float p = valid ? math::exp(s[k] * scale - l) : 0.0f;
+        pw[k * kRowTile + lane] = p;
+        dsw[k * kRowTile + lane] = p * (dp[k] - Di) * scale;
+      }
+      __syncwarp();  // pw, dsw are written
+      axpy_lanes<kHs, kKeys, kPadded>(dv, pw, gs, lane);
+      axpy_lanes<kHs, kKeys, kPadded>(dk, dsw, qs, lane);
+      __syncwarp();  // pw, dsw are read before the next tile overwrites them
     }
-    __syncwarp();  // pw, dsw are written
-    axpy_lanes<kHs, kKeys, kPadded>(dv, pw, gs, lane);
-    axpy_lanes<kHs, kKeys, kPadded>(dk, dsw, qs, lane);
-    __syncwarp();  // pw, dsw are read before the next tile overwrites them
   }
 
 #pragma unroll
   for (int k = 0; k < kKeys; ++k) {
     const std::int64_t j = k0 + k;
     if (j >= T_len) break;
-    T* drow = dqkv + (b * T_len + j) * C3 + h * hs;  // (3C) row j, at this head's dq columns
+    T* dk_row = dqkv + (b * T_len + j) * R + shape.k_col(g);  // (hs) dk of key j
+    T* dv_row = dqkv + (b * T_len + j) * R + shape.v_col(g);  // (hs) dv of key j
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       if (lane + kWarp * e >= hs) continue;
-      drow[C + lane + kWarp * e] = store<T>(dk[k][e]);
-      drow[2 * C + lane + kWarp * e] = store<T>(dv[k][e]);
+      dk_row[lane + kWarp * e] = store<T>(dk[k][e]);
+      dv_row[lane + kWarp * e] = store<T>(dv[k][e]);
     }
   }
 }
@@ -628,9 +658,9 @@ struct TcTiles {
   // 16 bytes apart modulo 128 and fall in distinct banks; the stride stays a multiple
   // of 16 bytes, as ldmatrix and the 16-byte tile stores need.
   static constexpr int kStride = kHs + 8;
-  static constexpr int kKSteps = kHs / 16;         // k steps of 16 in q k^T
-  static constexpr int kKeyN = kTcKeyTile / 8;     // n tiles of 8 keys in s = q k^T
-  static constexpr int kDimN = kHs / 8;            // n tiles of 8 columns in o = p v
+  static constexpr int kKSteps = kHs / 16;          // k steps of 16 in q k^T
+  static constexpr int kKeyN = kTcKeyTile / 8;      // n tiles of 8 keys in s = q k^T
+  static constexpr int kDimN = kHs / 8;             // n tiles of 8 columns in o = p v
   static constexpr int kPvSteps = kTcKeyTile / 16;  // k steps of 16 keys in p v
   // q tile, k tile, v tile, in 16-bit elements.
   static constexpr int kSmemElements = (kTcQueryTile + 2 * kTcKeyTile) * kStride;
@@ -640,7 +670,7 @@ struct TcTiles {
   static_assert(kSmemBytes <= 163 * 1024, "the tensor-core forward's shared memory fits an sm_80 CTA");
   // CTAs per SM the kernel asks registers for, as Tiles' (ptxas spilled at kHs = 32).
   // At 256 the q fragments and the output accumulators take 192 of the thread's
-  // registers; it uses 254 and does not spill.
+  // registers; it uses 254 or 255 (sm_90a, nvcc 13) and does not spill.
   static constexpr int kMinBlocks = kHs == 32 ? 3 : 0;
 };
 
@@ -682,11 +712,12 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // Grid: (B*NH, query tiles of kTcQueryTile), the last query tile first. Block:
 // kTcThreads. Dynamic shared memory: TcTiles<kHs>::kSmemBytes.
-// out: (B, T, C), 4-byte aligned; lse: (B, NH, T); qkv: (B, T, 3C), 16-byte aligned;
-// shape.hs <= kHs.
+// out: (B, T, NH hs), 4-byte aligned; lse: (B, NH, T); qkv: (B, T, R), 16-byte aligned;
+// shape.head_dim <= kHs.
 template <class T, int kHs, AttentionMask kMask>
 __global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
-    forward_tc_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, Shape shape) {
+    forward_tc_kernel(T* LLMPAR_RESTRICT out, float* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv,
+                      AttentionShape shape) {
   using Tl = TcTiles<kHs>;
   constexpr int kStride = Tl::kStride;
   constexpr bool kCausal = kMask == AttentionMask::causal;
@@ -694,19 +725,21 @@ __global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
   T* ks = qs + kTcQueryTile * kStride;  // (kTcKeyTile, kStride) key tile
   T* vs = ks + kTcKeyTile * kStride;    // (kTcKeyTile, kStride) value tile
 
-  const std::int64_t T_len = shape.T_len, C = shape.C, NH = shape.NH;
-  const int hs = shape.hs;
+  const std::int64_t T_len = shape.seq, R = shape.row(), Q = shape.q_dim();
+  const int hs = static_cast<int>(shape.head_dim);
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int g = lane / 4;  // accumulator rows g and g + 8 of the warp's 16
   const int t = lane % 4;  // accumulator columns 2t, 2t + 1 of each n tile
   const std::int64_t bh = blockIdx.x;
-  const std::int64_t b = bh / NH;
-  const std::int64_t h = bh % NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t b = bh / shape.heads;
+  const std::int64_t h = bh % shape.heads;
   const std::int64_t i0 = static_cast<std::int64_t>(gridDim.y - 1 - blockIdx.y) * kTcQueryTile;
   const int ni = static_cast<int>(std::min<std::int64_t>(kTcQueryTile, T_len - i0));
-  const T* head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), at this head's q columns
+  const T* rows = qkv + b * T_len * R;                    // (T, R) of batch b
+  const T* qh = rows + shape.q_col(h);                    // (T, hs) at stride R: this head's q
+  const T* kh = rows + shape.k_col(shape.kv_head_of(h));  // its kv head's k
+  const T* vh = rows + shape.v_col(shape.kv_head_of(h));  // and v
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
 
   // ldmatrix row addresses of this lane. For an x4 load of a 16x16 block the lanes
@@ -715,7 +748,7 @@ __global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
   const int m1 = (lane / 8) % 2;  // 1 for the lanes addressing matrices 1 and 3
   const int m2 = lane / 16;       // 1 for the lanes addressing matrices 2 and 3
 
-  load_tile_b16<kHs, kTcQueryTile, kStride>(qs, head + i0 * C3, C3, ni, hs);
+  load_tile_b16<kHs, kTcQueryTile, kStride>(qs, qh + i0 * R, R, ni, hs);
   __syncthreads();  // qs is written
   // A fragments of this warp's 16 q rows, k step kk: matrices (rows 0-7, columns 0-7),
   // (rows 8-15, 0-7), (rows 0-7, 8-15), (rows 8-15, 8-15) are a[0..3].
@@ -725,18 +758,18 @@ __global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
     ldmatrix_x4(qf[kk], qs + (warp * kTcRowsPerWarp + lo8 + 8 * m1) * kStride + 16 * kk + 8 * m2);
 
   const std::int64_t r0 = i0 + warp * kTcRowsPerWarp;  // this warp's first row
-  float o[Tl::kDimN][4] = {};  // unnormalised output: o[n][i], row g + 8 (i / 2), column 8n + 2t + i % 2
+  float o[Tl::kDimN][4] = {};           // unnormalised output: o[n][i], row g + 8 (i / 2), column 8n + 2t + i % 2
   math::OnlineSoftmax<float> state[2];  // rows g and g + 8, identical in the 4 lanes of a group
   const std::int64_t key_end = kCausal ? std::min<std::int64_t>(T_len, i0 + kTcQueryTile) : T_len;
 
   for (std::int64_t j0 = 0; j0 < key_end; j0 += kTcKeyTile) {
     const int nj = static_cast<int>(std::min<std::int64_t>(kTcKeyTile, T_len - j0));
     __syncthreads();  // the previous tile's ks and vs are no longer read
-    load_tile_b16<kHs, kTcKeyTile, kStride>(ks, head + j0 * C3 + C, C3, nj, hs);
-    load_tile_b16<kHs, kTcKeyTile, kStride>(vs, head + j0 * C3 + 2 * C, C3, nj, hs);
+    load_tile_b16<kHs, kTcKeyTile, kStride>(ks, kh + j0 * R, R, nj, hs);
+    load_tile_b16<kHs, kTcKeyTile, kStride>(vs, vh + j0 * R, R, nj, hs);
     __syncthreads();  // ks and vs are written
     // Warp-uniform skips (mma.sync and ldmatrix need the whole warp).
-    if (r0 >= T_len) continue;                               // this warp's rows are all padding
+    if (r0 >= T_len) continue;                              // this warp's rows are all padding
     if (kCausal && j0 > r0 + kTcRowsPerWarp - 1) continue;  // every key is after every row of this warp
 
     // s = q k^T: (16, kTcKeyTile) per warp, s[n][i] at row g + 8 (i / 2), key j0 + 8n + 2t + i % 2.
@@ -829,7 +862,7 @@ __global__ void __launch_bounds__(kTcThreads, TcTiles<kHs>::kMinBlocks)
     const std::int64_t i = r0 + g + 8 * half;
     if (i >= T_len) continue;
     const float inv = 1.0f / state[half].sum;
-    T* orow = out + (b * T_len + i) * C + h * hs;  // (hs)
+    T* orow = out + (b * T_len + i) * Q + h * hs;  // (hs)
 #pragma unroll
     for (int n = 0; n < Tl::kDimN; ++n)
       if (8 * n < hs)
@@ -848,45 +881,48 @@ void allow_shared_memory(Kernel* kernel, int bytes, const char* name) {
 }
 
 template <class T, int kHs, AttentionMask kMask>
-void launch_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, Shape shape) {
+void launch_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, const AttentionShape& shape) {
   using Tl = Tiles<kHs>;
   auto* kernel = &forward_kernel<T, kHs, kMask>;
   allow_shared_memory(kernel, Tl::kForwardSmem * 4, "attention forward_kernel");
-  const dim3 grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, Tl::kQueryTile)));
+  const dim3 grid(static_cast<unsigned>(shape.batch * shape.heads),
+                  static_cast<unsigned>(ceil_div(shape.seq, Tl::kQueryTile)));
   launch_kernel(kernel, grid, kThreads, Tl::kForwardSmem * sizeof(float), stream, out, lse, qkv, shape);
   LLMPAR_CHECK_LAUNCH("attention forward_kernel");
 }
 
 template <class T, int kHs, AttentionMask kMask>
-void launch_forward_tc(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, Shape shape) {
+void launch_forward_tc(cudaStream_t stream, T* out, float* lse, const T* qkv, const AttentionShape& shape) {
   using Tl = TcTiles<kHs>;
   auto* kernel = &forward_tc_kernel<T, kHs, kMask>;
   allow_shared_memory(kernel, Tl::kSmemBytes, "attention forward_tc_kernel");
-  const dim3 grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, kTcQueryTile)));
+  const dim3 grid(static_cast<unsigned>(shape.batch * shape.heads),
+                  static_cast<unsigned>(ceil_div(shape.seq, kTcQueryTile)));
   launch_kernel(kernel, grid, kTcThreads, Tl::kSmemBytes, stream, out, lse, qkv, shape);
   LLMPAR_CHECK_LAUNCH("attention forward_tc_kernel");
 }
 
 template <class T, int kHs, AttentionMask kMask>
 void launch_backward(cudaStream_t stream, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                     float* workspace, std::int64_t B, Shape shape) {
+                     float* workspace, const AttentionShape& shape) {
   using Tl = Tiles<kHs>;
   float* dsum = workspace;  // (B, NH, T)
-  const std::int64_t rows = B * shape.NH * shape.T_len;
+  const std::int64_t rows = shape.batch * shape.heads * shape.seq;
   launch_kernel(&dsum_kernel<T>, static_cast<unsigned>(ceil_div(rows, kWarps)), kThreads, 0, stream, dsum, dout, out,
                 rows, shape);
   LLMPAR_CHECK_LAUNCH("attention dsum_kernel");
 
   auto* dkv = &backward_dkv_kernel<T, kHs, kMask>;
   allow_shared_memory(dkv, Tl::kDkvSmem * 4, "attention backward_dkv_kernel");
-  const dim3 dkv_grid(static_cast<unsigned>(B * shape.NH),
-                      static_cast<unsigned>(ceil_div(shape.T_len, Tl::kKeyTileBwd)));
+  const dim3 dkv_grid(static_cast<unsigned>(shape.batch * shape.kv_heads),
+                      static_cast<unsigned>(ceil_div(shape.seq, Tl::kKeyTileBwd)));
   launch_kernel(dkv, dkv_grid, kThreads, Tl::kDkvSmem * sizeof(float), stream, dqkv, dout, qkv, lse, dsum, shape);
   LLMPAR_CHECK_LAUNCH("attention backward_dkv_kernel");
 
   auto* dq = &backward_dq_kernel<T, kHs, kMask>;
   allow_shared_memory(dq, Tl::kDqSmem * 4, "attention backward_dq_kernel");
-  const dim3 dq_grid(static_cast<unsigned>(B * shape.NH), static_cast<unsigned>(ceil_div(shape.T_len, Tl::kQueryTile)));
+  const dim3 dq_grid(static_cast<unsigned>(shape.batch * shape.heads),
+                     static_cast<unsigned>(ceil_div(shape.seq, Tl::kQueryTile)));
   launch_kernel(dq, dq_grid, kThreads, Tl::kDqSmem * sizeof(float), stream, dqkv, dout, qkv, lse, dsum, shape);
   LLMPAR_CHECK_LAUNCH("attention backward_dq_kernel");
 }
@@ -901,6 +937,7 @@ void with_head_size_and_mask(Sizes sizes, std::int64_t hs, AttentionMask mask, F
 // Whether the tensor-core forward serves a call with 16-bit storage: hs <= 256 (all), and
 // pointers aligned for its 16-byte loads of qkv rows and 4-byte stores of out pairs
 // (cudaMalloc gives 256 bytes; an offset view may not, and then the SIMT path runs).
+// Rows and head offsets are multiples of hs, hence of 8 elements: aligned with the base.
 inline bool tensor_cores_serve(std::int64_t hs, const void* out, const void* qkv) {
   return hs <= kTcMaxHeadSize && reinterpret_cast<std::uintptr_t>(qkv) % 16 == 0 &&
          reinterpret_cast<std::uintptr_t>(out) % 4 == 0;
@@ -908,79 +945,76 @@ inline bool tensor_cores_serve(std::int64_t hs, const void* out, const void* qkv
 
 #endif  // LLMPAR_DEVICE_CODE
 
-// Checks the shape on the host and returns the head size hs = C / NH.
-inline std::int64_t check_shape(const char* who, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  LLMPAR_CHECK(B >= 0 && T_len >= 0, who, ": B = ", B, ", T = ", T_len, "; both must be >= 0");
-  LLMPAR_CHECK(C >= 1 && NH >= 1, who, ": C = ", C, ", NH = ", NH, "; both must be >= 1");
-  LLMPAR_CHECK(C % NH == 0, who, ": the number of heads NH = ", NH, " does not divide the channels C = ", C,
-               "; pick C a multiple of NH (head size C / NH)");
-  const std::int64_t hs = C / NH;
-  LLMPAR_CHECK(hs % kHeadSizeStep == 0 && hs >= kMinHeadSize && hs <= kMaxHeadSize, who,
-               ": head size hs = C / NH = ", C, " / ", NH, " = ", hs,
+// Checks the shape on the host (AttentionShape::check, then what the CUDA kernels add:
+// the head sizes they are compiled for and the grid's limits).
+inline void check_shape(const char* who, const AttentionShape& shape) {
+  shape.check(who);
+  const std::int64_t hs = shape.head_dim, rows = shape.batch * shape.heads;
+  LLMPAR_CHECK(hs % kHeadSizeStep == 0 && hs >= kMinHeadSize && hs <= kMaxHeadSize, who, ": head size head_dim = ", hs,
                " is not supported by the CUDA kernels; supported head sizes are the multiples of 8 from 16 to 256");
-  LLMPAR_CHECK(B * NH <= 0x7FFFFFFF, who, ": B * NH = ", B * NH, " exceeds the grid limit 2^31 - 1");
+  // The forward and dq grids' x extent is B * NH (dk/dv's, B * KVH, is no larger).
+  LLMPAR_CHECK(rows <= 0x7FFFFFFF, who, ": B * heads = ", rows, " exceeds the grid limit 2^31 - 1");
   // A grid's y extent is at most 65535 (T over the smallest tile of the kernels serving
   // hs; the tensor-core forward's 64 rows are never smaller) and the D kernel runs 4 rows
   // per CTA on a grid's x extent.
   const std::int64_t tile =
       with_head_size(SimtHeadSizes{}, hs, [](auto kHs) { return Tiles<decltype(kHs)::value>::kSmallestTile; });
-  LLMPAR_CHECK(ceil_div(T_len, tile) <= 65535, who, ": T = ", T_len,
-               " exceeds the longest supported sequence at hs = ", hs, ", ", 65535 * tile);
-  LLMPAR_CHECK(ceil_div(B * NH * T_len, kWarps) <= 0x7FFFFFFF, who, ": B * NH * T = ", B * NH * T_len,
+  LLMPAR_CHECK(ceil_div(shape.seq, tile) <= 65535, who, ": T = ", shape.seq,
+               " exceeds the longest supported sequence at head_dim = ", hs, ", ", 65535 * tile);
+  LLMPAR_CHECK(ceil_div(rows * shape.seq, kWarps) <= 0x7FFFFFFF, who, ": B * heads * T = ", rows * shape.seq,
                " exceeds the grid limit of the backward's D kernel, ", std::int64_t{kWarps} * 0x7FFFFFFF);
-  return hs;
 }
 
 }  // namespace detail::attn
 
-// Floats of workspace attention_backward needs: D = dout . out, one per (b, h, t).
-inline std::int64_t attention_backward_workspace(std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  detail::attn::check_shape("attention_backward_workspace", B, T_len, C, NH);
-  return B * NH * T_len;
+// Floats of workspace attention_backward needs: D = dout . out, one per (b, query head, t).
+inline std::int64_t attention_backward_workspace(const AttentionShape& shape) {
+  detail::attn::check_shape("attention_backward_workspace", shape);
+  return shape.batch * shape.heads * shape.seq;
 }
 
 #if defined(LLMPAR_DEVICE_CODE)
 
-// out: (B, T, C); lse: (B, NH, T) float log-sum-exp of each row's scaled scores;
-// qkv: (B, T, 3C) with q = [0, C), k = [C, 2C), v = [2C, 3C), head h at columns
-// [h*hs, (h+1)*hs). Scores are scaled by 1/sqrt(hs), hs = C / NH a multiple of 8 from 16 to 256.
+// out: (B, T, NH hs); lse: (B, NH, T) float log-sum-exp of each row's scaled scores;
+// qkv: (B, T, (NH + 2 KVH) hs), core/attention_shape.hpp's layout (query head h reads kv
+// head h % KVH). Scores are scaled by 1/sqrt(hs), hs = shape.head_dim a multiple of 8
+// from 16 to 256.
 template <Storage T>
-void attention_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                       std::int64_t C, std::int64_t NH, AttentionMask mask = AttentionMask::causal) {
+void attention_forward(cudaStream_t stream, T* out, float* lse, const T* qkv, const AttentionShape& shape,
+                       AttentionMask mask = AttentionMask::causal) {
   namespace attn = detail::attn;
-  const std::int64_t hs = attn::check_shape("attention_forward", B, T_len, C, NH);
-  if (B == 0 || T_len == 0) return;
-  const attn::Shape shape{T_len, C, NH, static_cast<int>(hs)};
+  attn::check_shape("attention_forward", shape);
+  if (shape.batch == 0 || shape.seq == 0) return;
+  const std::int64_t hs = shape.head_dim;
   if constexpr (!std::is_same_v<T, float>) {
     if (attn::tensor_cores_serve(hs, out, qkv)) {
       attn::with_head_size_and_mask(attn::TcHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
-        attn::launch_forward_tc<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, B, shape);
+        attn::launch_forward_tc<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, shape);
       });
       return;
     }
   }
   attn::with_head_size_and_mask(attn::SimtHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
-    attn::launch_forward<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, B, shape);
+    attn::launch_forward<T, decltype(kHs)::value, decltype(kMask)::value>(stream, out, lse, qkv, shape);
   });
 }
 
-// Overwrites dqkv: (B, T, 3C). dout, out: (B, T, C); qkv: (B, T, 3C); lse: (B, NH, T)
+// Overwrites dqkv: (B, T, (NH + 2 KVH) hs), each kv head's dk and dv summed over the
+// query heads that read it. dout, out: (B, T, NH hs); qkv as forward's; lse: (B, NH, T)
 // from attention_forward on the same qkv with the same mask. dqkv must not alias the
-// inputs. workspace: attention_backward_workspace(B, T, C, NH) floats, caller-owned,
-// in use until the queued work has run.
+// inputs. workspace: attention_backward_workspace(shape) floats, caller-owned, in use
+// until the queued work has run.
 template <Storage T>
 void attention_backward(cudaStream_t stream, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                        float* workspace, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH,
-                        AttentionMask mask = AttentionMask::causal) {
+                        float* workspace, const AttentionShape& shape, AttentionMask mask = AttentionMask::causal) {
   namespace attn = detail::attn;
-  const std::int64_t hs = attn::check_shape("attention_backward", B, T_len, C, NH);
-  if (B == 0 || T_len == 0) return;
+  attn::check_shape("attention_backward", shape);
+  if (shape.batch == 0 || shape.seq == 0) return;
   LLMPAR_CHECK(workspace != nullptr, "attention_backward: workspace is null; pass a buffer of ",
-               "attention_backward_workspace(B, T, C, NH) = ", B * NH * T_len, " floats");
-  const attn::Shape shape{T_len, C, NH, static_cast<int>(hs)};
-  attn::with_head_size_and_mask(attn::SimtHeadSizes{}, hs, mask, [&](auto kHs, auto kMask) {
+               "attention_backward_workspace(shape) = ", shape.batch * shape.heads * shape.seq, " floats");
+  attn::with_head_size_and_mask(attn::SimtHeadSizes{}, shape.head_dim, mask, [&](auto kHs, auto kMask) {
     attn::launch_backward<T, decltype(kHs)::value, decltype(kMask)::value>(stream, dqkv, dout, qkv, out, lse, workspace,
-                                                                           B, shape);
+                                                                           shape);
   });
 }
 

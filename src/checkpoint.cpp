@@ -2,5 +2,6 @@
 // for a program built with LLMPAR_COMPILED.
 #include "llmpar/checkpoint/checkpoint-inl.hpp"
 #include "llmpar/checkpoint/hf_gpt2-inl.hpp"
+#include "llmpar/checkpoint/hf_llama-inl.hpp"
 #include "llmpar/checkpoint/safetensors-inl.hpp"
 #include "llmpar/checkpoint/trainer_state-inl.hpp"

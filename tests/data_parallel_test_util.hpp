@@ -1,5 +1,6 @@
 // What the data- and pipeline-parallel equivalence tests share (thread ranks and MPI
-// processes): five training steps of GPT-2 through train::Trainer under a composed
+// processes): five training steps of GPT-2 (or of a Llama: Layout::llama) through
+// train::Trainer under a composed
 // layout (tp x pp x dp, a ZeRO stage, a pipeline schedule, recomputation), with the
 // reduced gradients of the first step and the final parameters written into full
 // tensors by the ranks that own them, to be compared with the serial run.
@@ -14,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "llmpar/backend/cpu/backend.hpp"
@@ -22,6 +24,7 @@
 #include "llmpar/comm/thread_comm.hpp"
 #include "llmpar/data/dataset.hpp"
 #include "llmpar/models/gpt2.hpp"
+#include "llmpar/models/llama.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/grad_sync.hpp"
 #include "llmpar/parallel/layout.hpp"
@@ -35,6 +38,19 @@ using tp_test::relative_difference;
 
 inline models::GPT2Config config(std::int64_t layers = 2) {
   return {.layers = layers, .heads = 4, .dim = 32, .max_seq = 16, .vocab = 50, .padded_vocab = 64, .init_std = 0.05f};
+}
+// The Llama of the same size: 4 query heads reading 2 kv heads, untied head.
+inline models::LlamaConfig llama_config(std::int64_t layers = 2) {
+  return {.layers = layers,
+          .heads = 4,
+          .kv_heads = 2,
+          .dim = 32,
+          .ffn_dim = 48,
+          .max_seq = 16,
+          .vocab = 50,
+          .padded_vocab = 64,
+          .init_std = 0.05f,
+          .rope = {.theta = 10000.0f}};
 }
 
 // A fixed token stream (no shuffling, so every layout reads the same global batches).
@@ -67,6 +83,7 @@ struct Layout {
   int micro_batch = 2;  // sequences per rank and micro-batch
   int accum = 1;        // micro-batches per step (the pipeline's m)
   bool sp = false;      // sequence parallelism over the tp group
+  int cp = 1;           // context parallelism: each sequence over cp ranks
   int steps = 5;
   std::int64_t bucket_bytes = 4096;  // small: several buckets even in the test model
   bool overlap = true;
@@ -83,6 +100,9 @@ struct Layout {
   bool background_save = false;
   // The model, when not config(layers) (a µP model, say); its layers must be `layers`.
   std::optional<models::GPT2Config> model{};
+  // The model of a Llama run (run_threads<Policy, models::LlamaSpec>), when not
+  // llama_config(layers).
+  std::optional<models::LlamaConfig> llama{};
 };
 
 // Writes elements [first, first + n) of p's local tensor (values or gradients) into
@@ -103,6 +123,7 @@ parallel::LayoutConfig layout_config(const Layout& layout, int world, int tp) {
   parallel::LayoutConfig l = parallel::layout_of<Policy>();
   l.tp = tp;
   l.sp = layout.sp;
+  l.cp = layout.cp;
   l.pp = layout.pp;
   l.fit_world(world);
   l.virtual_stages = layout.chunks;
@@ -114,20 +135,29 @@ parallel::LayoutConfig layout_config(const Layout& layout, int world, int tp) {
   return l;
 }
 
-template <class Policy>
+// The layout's model of Spec (models::GPT2Spec or models::LlamaSpec).
+template <class Spec>
+typename Spec::Config model_config(const Layout& layout) {
+  if constexpr (std::is_same_v<Spec, models::LlamaSpec>)
+    return layout.llama.value_or(llama_config(layout.layers));
+  else
+    return layout.model.value_or(config(layout.layers));
+}
+
+template <class Policy, class Spec = models::GPT2Spec>
 void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex& mutex) {
   using T = typename Policy::precision::Compute;
-  using Model = models::GPT2<T, backend::Cpu>;
+  using Model = models::Transformer<T, backend::Cpu, Spec>;
+  const typename Spec::Config cfg = model_config<Spec>(layout);
   const parallel::LayoutConfig lc = layout_config<Policy>(layout, world.size(), tp);
-  comm::Grid grid(world, {.tp = tp, .pp = layout.pp});
+  comm::Grid grid(world, {.tp = tp, .cp = layout.cp, .pp = layout.pp});
   backend::cpu::Context ctx;
   const pipeline::Placement placement{.stages = layout.pp,
                                       .chunks = layout.chunks,
                                       .rank = grid.coords().pp,
                                       .partition = pipeline::even_partition(layout.layers, layout.pp, layout.chunks)};
-  const models::GPT2Config cfg = layout.model.value_or(config(layout.layers));
   REQUIRE(cfg.layers == layout.layers);
-  Model model(cfg, 99, nn::TensorParallelGroup(&grid.tp(), lc.sp), placement);
+  Model model(cfg, 99, nn::TensorParallelGroup(&grid.tp(), lc.sp), placement, nn::ContextParallelGroup(&grid.cp()));
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
   data::DataLoader loader(
@@ -198,14 +228,15 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
       });
 }
 
-// The run of Policy on `ranks` thread ranks split as tp x pp x dp.
-template <class Policy>
+// The run of Policy on `ranks` thread ranks split as tp x pp x dp, of GPT-2 or of Spec's
+// model.
+template <class Policy, class Spec = models::GPT2Spec>
 Run run_threads(int ranks, int tp, const Layout& layout) {
   Run run;
   std::mutex mutex;
   comm::run_threads(ranks, [&](comm::ThreadComm& thread_world) {
     comm::Comm world(std::move(thread_world));
-    train<Policy>(world, tp, layout, run, mutex);
+    train<Policy, Spec>(world, tp, layout, run, mutex);
   });
   return run;
 }

@@ -93,17 +93,17 @@ TEST_CASE("the user's rotary embedding: its backward is the forward's transpose 
   const std::vector<double> w = random_vector(n, "w");
   auto f = [&] {
     std::vector<double> y = x;
-    rotary.rotate(y.data(), B, S, Cl, Direction::forward);
+    rotary.rotate(y.data(), AttentionShape::mha(B, S, Cl, 2), Direction::forward);
     return dot(w, y);
   };
   std::vector<double> grad = w;  // ∂(w · rotate(x))/∂x = rotateᵀ(w)
-  rotary.rotate(grad.data(), B, S, Cl, Direction::backward);
+  rotary.rotate(grad.data(), AttentionShape::mha(B, S, Cl, 2), Direction::backward);
   // f is linear in x, so a large step is exact and keeps rounding out of the quotient.
   CHECK(worst_fd_error(x, f, grad, 1e-2) < 1e-8);
 
   // v is untouched, and a rotation preserves length.
   std::vector<double> y = x;
-  rotary.rotate(y.data(), B, S, Cl, Direction::forward);
+  rotary.rotate(y.data(), AttentionShape::mha(B, S, Cl, 2), Direction::forward);
   for (std::int64_t r = 0; r < B * S; ++r)
     for (std::int64_t c = 2 * Cl; c < 3 * Cl; ++c)
       CHECK(y[static_cast<std::size_t>(r * 3 * Cl + c)] == x[static_cast<std::size_t>(r * 3 * Cl + c)]);
@@ -122,7 +122,7 @@ TEST_CASE("the user's rotary embedding makes q·k depend on the distance between
       qkv[static_cast<std::size_t>(t * 3 * Cl + c)] = q[static_cast<std::size_t>(c)];
       qkv[static_cast<std::size_t>(t * 3 * Cl + Cl + c)] = k[static_cast<std::size_t>(c)];
     }
-  rotary.rotate(qkv.data(), 1, S, Cl, custom_layer::Rotary<double>::Direction::forward);
+  rotary.rotate(qkv.data(), AttentionShape::mha(1, S, Cl, 1), custom_layer::Rotary<double>::Direction::forward);
   auto score = [&](std::int64_t t, std::int64_t s) {
     double sum = 0.0;
     for (std::int64_t c = 0; c < Cl; ++c)

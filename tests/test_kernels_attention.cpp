@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "llmpar/backend/cpu/attention.hpp"
+#include "llmpar/backend/cpu/attention_block.hpp"
 #include "llmpar/backend/cpu/cross_entropy.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
@@ -83,22 +84,30 @@ void with_threads(int n, F&& f) {
 
 // ---- attention reference: the T x T softmax materialised, in double -------------------
 
+// C: the query channels NH·hs; KVH: kv heads (0: NH, multi-head attention).
 struct AttnShape {
-  std::int64_t B, T, C, NH;
+  std::int64_t B, T, C, NH, KVH = 0;
+  AttentionShape shape() const { return {B, T, NH, KVH > 0 ? KVH : NH, C / NH}; }
+  std::int64_t row() const { return shape().row(); }  // a qkv row
+  std::int64_t qkv_size() const { return B * T * row(); }
 };
 
 void attention_reference(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
                          const AttnShape& s) {
-  const std::int64_t hs = s.C / s.NH;
+  const AttentionShape a = s.shape();
+  const std::int64_t hs = a.head_dim, R = a.row();
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   out.assign(static_cast<std::size_t>(s.B * s.T * s.C), 0.0);
   lse.assign(static_cast<std::size_t>(s.B * s.NH * s.T), 0.0);
   std::vector<double> att(static_cast<std::size_t>(s.T * s.T));
   for (std::int64_t b = 0; b < s.B; ++b) {
     for (std::int64_t h = 0; h < s.NH; ++h) {
-      auto q = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + h * hs + d]; };
-      auto k = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + s.C + h * hs + d]; };
-      auto v = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * 3 * s.C + 2 * s.C + h * hs + d]; };
+      const std::int64_t g = h % a.kv_heads;  // the kv head query head h reads
+      auto q = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * R + h * hs + d]; };
+      auto k = [&](std::int64_t t, std::int64_t d) { return qkv[(b * s.T + t) * R + a.q_dim() + g * hs + d]; };
+      auto v = [&](std::int64_t t, std::int64_t d) {
+        return qkv[(b * s.T + t) * R + a.q_dim() + a.kv_dim() + g * hs + d];
+      };
       for (std::int64_t t = 0; t < s.T; ++t) {
         double m = -INFINITY;
         for (std::int64_t j = 0; j <= t; ++j) {
@@ -125,7 +134,7 @@ void run_attention_forward(std::vector<T>& out, std::vector<cpu::acc_t<T>>& lse,
                            const AttnShape& s) {
   out.assign(static_cast<std::size_t>(s.B * s.T * s.C), T{});
   lse.assign(static_cast<std::size_t>(s.B * s.NH * s.T), 0);
-  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.shape());
 }
 
 template <class T>
@@ -134,21 +143,24 @@ std::vector<T> run_attention_backward(const std::vector<T>& dout, const std::vec
   std::vector<cpu::acc_t<T>> lse;
   run_attention_forward(out, lse, qkv, s);
   std::vector<T> dqkv(qkv.size(), static_cast<T>(123.0f));  // garbage: backward must overwrite
-  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.shape());
   return dqkv;
 }
 
 const AttnShape kForwardShapes[] = {
-    {1, 1, 8, 1},      // one token: out = v
-    {2, 7, 16, 2},     // hs = 8, generic head size
-    {1, 33, 64, 1},    // hs = 64, NH = 1, T not a multiple of anything
-    {2, 64, 64, 2},    // hs = 32, exactly one tile
-    {1, 65, 64, 4},    // hs = 16, one row into the second tile
-    {1, 130, 128, 2},  // hs = 64, three tiles, ragged last tile
-    {1, 70, 24, 1},    // hs = 24, generic head size over two tiles
-    {1, 40, 256, 2},   // hs = 128
-    {1, 37, 160, 2},   // hs = 80, generic head size (the CUDA kernels' references reach 256)
-    {1, 66, 256, 1},   // hs = 256, generic head size over two tiles
+    {1, 1, 8, 1},        // one token: out = v
+    {2, 7, 16, 2},       // hs = 8, generic head size
+    {1, 33, 64, 1},      // hs = 64, NH = 1, T not a multiple of anything
+    {2, 64, 64, 2},      // hs = 32, exactly one tile
+    {1, 65, 64, 4},      // hs = 16, one row into the second tile
+    {1, 130, 128, 2},    // hs = 64, three tiles, ragged last tile
+    {1, 70, 24, 1},      // hs = 24, generic head size over two tiles
+    {1, 40, 256, 2},     // hs = 128
+    {2, 70, 128, 4, 2},  // grouped-query: 2 query heads per kv head, hs = 32, two tiles
+    {1, 65, 96, 6, 2},   // 3 query heads per kv head, hs = 16
+    {1, 33, 128, 4, 1},  // multi-query: one kv head
+    {1, 37, 160, 2},     // hs = 80, generic head size (the CUDA kernels' references reach 256)
+    {1, 66, 256, 1},     // hs = 256, generic head size over two tiles
 };
 
 }  // namespace
@@ -228,7 +240,7 @@ TEST_CASE_TEMPLATE("attention_forward matches a materialised T x T softmax refer
     CAPTURE(s.T);
     CAPTURE(s.C);
     CAPTURE(s.NH);
-    const std::vector<T> qkv = cast_to<T>(random_normal(s.B * s.T * 3 * s.C, "attention.qkv", 1.5));
+    const std::vector<T> qkv = cast_to<T>(random_normal(s.qkv_size(), "attention.qkv", 1.5));
     std::vector<double> ref_out, ref_lse;
     attention_reference(ref_out, ref_lse, to_double(qkv), s);
     std::vector<T> out;
@@ -260,15 +272,18 @@ TEST_CASE("attention_forward of one token copies its value row") {
 
 TEST_CASE("attention_backward matches central finite differences of sum(out * W) in double") {
   const AttnShape shapes[] = {
-      {2, 7, 16, 2},   // hs = 8: generic head size, tails of every row kernel
-      {1, 33, 64, 1},  // hs = 64 specialisation
-      {1, 70, 64, 2},  // hs = 32 specialisation, two key tiles and the diagonal tile
+      {2, 7, 16, 2},       // hs = 8: generic head size, tails of every row kernel
+      {1, 33, 64, 1},      // hs = 64 specialisation
+      {1, 70, 64, 2},      // hs = 32 specialisation, two key tiles and the diagonal tile
+      {1, 9, 24, 3, 1},    // multi-query: dk and dv summed over 3 query heads
+      {2, 70, 128, 4, 2},  // grouped-query, hs = 32, two key tiles
   };
   for (const AttnShape& s : shapes) {
     CAPTURE(s.T);
     CAPTURE(s.C);
     CAPTURE(s.NH);
-    std::vector<double> qkv = random_normal(s.B * s.T * 3 * s.C, "attention.fd.qkv");
+    CAPTURE(s.KVH);
+    std::vector<double> qkv = random_normal(s.qkv_size(), "attention.fd.qkv");
     const std::vector<double> W = random_normal(s.B * s.T * s.C, "attention.fd.w");
     const std::vector<double> dqkv = run_attention_backward(W, qkv, s);
     auto loss = [&](const std::vector<double>& x) {
@@ -303,12 +318,12 @@ TEST_CASE("attention_backward matches central finite differences of sum(out * W)
 }
 
 TEST_CASE("attention_backward in float matches the double backward on the same inputs") {
-  const AttnShape shapes[] = {{2, 7, 16, 2},  {1, 130, 128, 2}, {2, 64, 64, 2},
-                              {1, 70, 24, 1}, {1, 65, 160, 2},  {1, 70, 256, 1}};
+  const AttnShape shapes[] = {{2, 7, 16, 2},   {1, 130, 128, 2}, {2, 64, 64, 2},     {1, 70, 24, 1},
+                              {1, 65, 160, 2}, {1, 70, 256, 1},  {2, 70, 128, 4, 2}, {1, 65, 512, 4, 1}};
   for (const AttnShape& s : shapes) {
     CAPTURE(s.T);
     CAPTURE(s.C);
-    const std::vector<float> qkv = cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.fb.qkv", 1.5));
+    const std::vector<float> qkv = cast_to<float>(random_normal(s.qkv_size(), "attention.fb.qkv", 1.5));
     const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "attention.fb.dout"));
     const std::vector<double> ref = run_attention_backward(to_double(dout), to_double(qkv), s);
     const std::vector<double> got = to_double(run_attention_backward(dout, qkv, s));
@@ -317,27 +332,30 @@ TEST_CASE("attention_backward in float matches the double backward on the same i
 }
 
 TEST_CASE("attention forward and backward are bitwise identical for 1, 2 and 3 threads") {
-  const AttnShape s{2, 150, 128, 4};  // hs = 32, three query tiles, parallel at any thread count
-  const std::vector<float> qkv = cast_to<float>(random_normal(s.B * s.T * 3 * s.C, "attention.det.qkv"));
-  const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "attention.det.dout"));
-  std::vector<float> out[3], lse[3], dqkv[3];
-  for (int n = 1; n <= 3; ++n) {
-    with_threads(n, [&] {
-      run_attention_forward(out[n - 1], lse[n - 1], qkv, s);
-      dqkv[n - 1] = run_attention_backward(dout, qkv, s);
-    });
-  }
-  for (int n = 2; n <= 3; ++n) {
-    CAPTURE(n);
-    CHECK(bitwise_equal(out[0], out[n - 1]));
-    CHECK(bitwise_equal(lse[0], lse[n - 1]));
-    CHECK(bitwise_equal(dqkv[0], dqkv[n - 1]));
+  for (const AttnShape& s : {AttnShape{2, 150, 128, 4},  // hs = 32, three query tiles, parallel at any thread count
+                             AttnShape{2, 150, 128, 4, 2}}) {  // grouped-query
+    CAPTURE(s.KVH);
+    const std::vector<float> qkv = cast_to<float>(random_normal(s.qkv_size(), "attention.det.qkv"));
+    const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "attention.det.dout"));
+    std::vector<float> out[3], lse[3], dqkv[3];
+    for (int n = 1; n <= 3; ++n) {
+      with_threads(n, [&] {
+        run_attention_forward(out[n - 1], lse[n - 1], qkv, s);
+        dqkv[n - 1] = run_attention_backward(dout, qkv, s);
+      });
+    }
+    for (int n = 2; n <= 3; ++n) {
+      CAPTURE(n);
+      CHECK(bitwise_equal(out[0], out[n - 1]));
+      CHECK(bitwise_equal(lse[0], lse[n - 1]));
+      CHECK(bitwise_equal(dqkv[0], dqkv[n - 1]));
+    }
   }
 }
 
 TEST_CASE("attention stores bf16 and computes in float") {
   const AttnShape s{1, 40, 64, 2};
-  const std::vector<bf16> qkv = cast_to<bf16>(random_normal(s.B * s.T * 3 * s.C, "attention.bf16.qkv"));
+  const std::vector<bf16> qkv = cast_to<bf16>(random_normal(s.qkv_size(), "attention.bf16.qkv"));
   const std::vector<bf16> dout = cast_to<bf16>(random_normal(s.B * s.T * s.C, "attention.bf16.dout"));
   std::vector<double> ref_out, ref_lse;
   attention_reference(ref_out, ref_lse, to_double(qkv), s);
@@ -351,13 +369,13 @@ TEST_CASE("attention stores bf16 and computes in float") {
   CHECK(max_abs_diff(to_double(run_attention_backward(dout, qkv, s)), ref_d) <= 2e-2 * max_abs(ref_d));
 }
 
-TEST_CASE("attention rejects a head count that does not divide the channels") {
-  std::vector<float> qkv(3 * 10), out(10), lse(3), dqkv(3 * 10);
-  CHECK_THROWS_WITH_AS(cpu::attention_forward(out.data(), lse.data(), qkv.data(), 1, 1, 10, 3),
-                       doctest::Contains("NH = 3 does not divide the channels C = 10"), llmpar::Error);
-  CHECK_THROWS_WITH_AS(
-      cpu::attention_backward(dqkv.data(), out.data(), qkv.data(), out.data(), lse.data(), 1, 1, 10, 3),
-      doctest::Contains("NH = 3 does not divide the channels C = 10"), llmpar::Error);
+TEST_CASE("attention rejects kv heads that do not divide the query heads") {
+  std::vector<float> qkv(10 * 8), out(6 * 8), lse(6), dqkv(qkv.size());
+  const AttentionShape bad{1, 1, 6, 4, 8};
+  CHECK_THROWS_WITH_AS(cpu::attention_forward(out.data(), lse.data(), qkv.data(), bad),
+                       doctest::Contains("kv_heads = 4 does not divide the query heads 6"), llmpar::Error);
+  CHECK_THROWS_WITH_AS(cpu::attention_backward(dqkv.data(), out.data(), qkv.data(), out.data(), lse.data(), bad),
+                       doctest::Contains("pick --kv-heads a divisor of --heads"), llmpar::Error);
 }
 
 // ---- cross-entropy ------------------------------------------------------------------------
@@ -633,4 +651,86 @@ TEST_CASE("softmax_forward with a temperature matches the reference and sums to 
   std::vector<float> p(4), l(4, 0.0f);
   CHECK_THROWS_WITH_AS(cpu::softmax_forward(p.data(), l.data(), 4, 0.0f), doctest::Contains("temperature = 0"),
                        llmpar::Error);
+}
+
+// ---- attention block by block (ring attention's kernels) ------------------------------
+
+namespace {
+
+// The whole causal attention of (B, T) sequences as blocks of `chunk` rows: every query
+// chunk against every key chunk at or before it (the diagonal one causal), into one
+// state, then finished; and the backward of the same blocks. kv: the keys and values
+// read from qkv itself, or from a packed (B, T, 2 KV) copy.
+template <class T>
+void blockwise(std::vector<T>& out, std::vector<float>& lse, std::vector<float>& dq, std::vector<float>& dkv,
+               const std::vector<T>& qkv, const std::vector<T>& dout, const AttentionShape& a, std::int64_t chunk,
+               bool packed) {
+  const std::int64_t rows = a.batch * a.seq, Q = a.q_dim(), KV = a.kv_dim();
+  std::vector<T> kv;
+  if (packed) {
+    kv.resize(static_cast<std::size_t>(rows * 2 * KV));
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < 2 * KV; ++c) kv[r * 2 * KV + c] = qkv[r * a.row() + Q + c];
+  }
+  const T* kv_data = packed ? kv.data() : qkv.data();
+  std::vector<float> o(rows * Q), m(rows * a.heads), l(rows * a.heads);
+  const AttentionState<float> st{o.data(), m.data(), l.data()};
+  cpu::attention_state_init(st, a);
+  auto block = [&](std::int64_t qc, std::int64_t kc) {
+    return AttentionBlock{.q_first = qc * chunk,
+                          .kv_seq = a.seq,
+                          .kv_first = kc * chunk,
+                          .len = chunk,
+                          .kv_stride = packed ? 2 * KV : a.row(),
+                          .k_offset = packed ? 0 : Q,
+                          .v_offset = packed ? KV : Q + KV,
+                          .causal = qc == kc};
+  };
+  const std::int64_t chunks = a.seq / chunk;
+  for (std::int64_t kc = chunks - 1; kc >= 0; --kc)  // any order: the state does not care
+    for (std::int64_t qc = kc; qc < chunks; ++qc)
+      cpu::attention_block_forward(st, qkv.data(), kv_data, a, block(qc, kc));
+  out.assign(static_cast<std::size_t>(rows * Q), T{});
+  lse.assign(static_cast<std::size_t>(rows * a.heads), 0.0f);
+  cpu::attention_state_finish(out.data(), lse.data(), st, a);
+  std::vector<float> dsum(rows * a.heads);
+  cpu::attention_dsum(dsum.data(), dout.data(), out.data(), a);
+  dq.assign(static_cast<std::size_t>(rows * Q), 0.0f);
+  dkv.assign(static_cast<std::size_t>(rows * 2 * KV), 0.0f);
+  for (std::int64_t qc = 0; qc < chunks; ++qc)
+    for (std::int64_t kc = 0; kc <= qc; ++kc)
+      cpu::attention_block_backward(dq.data(), dkv.data(), dout.data(), qkv.data(), kv_data, lse.data(), dsum.data(), a,
+                                    block(qc, kc));
+}
+
+}  // namespace
+
+TEST_CASE("attention block by block (every query chunk against the key chunks before it) is the whole attention") {
+  for (const AttnShape& s : {AttnShape{2, 128, 64, 4}, AttnShape{1, 96, 128, 4, 2}, AttnShape{2, 40, 48, 6, 3}}) {
+    for (std::int64_t chunk : {s.T / 2, s.T / 4})
+      for (bool packed : {false, true}) {
+        CAPTURE(s.T);
+        CAPTURE(s.KVH);
+        CAPTURE(chunk);
+        CAPTURE(packed);
+        const AttentionShape a = s.shape();
+        const std::vector<float> qkv = cast_to<float>(random_normal(s.qkv_size(), "block.qkv", 1.5));
+        const std::vector<float> dout = cast_to<float>(random_normal(s.B * s.T * s.C, "block.dout"));
+        std::vector<float> ref_out, ref_lse;
+        run_attention_forward(ref_out, ref_lse, qkv, s);
+        const std::vector<float> ref_d = run_attention_backward(dout, qkv, s);
+        std::vector<float> out, lse, dq, dkv;
+        blockwise(out, lse, dq, dkv, qkv, dout, a, chunk, packed);
+        CHECK(max_abs_diff(to_double(out), to_double(ref_out)) <= 2e-6 * (1.0 + max_abs(to_double(ref_out))));
+        CHECK(max_abs_diff(to_double(lse), to_double(ref_lse)) <= 2e-6 * (1.0 + max_abs(to_double(ref_lse))));
+        // The whole kernel's dqkv, split into the blocks' dq and dk/dv.
+        std::vector<double> got(ref_d.size());
+        const std::int64_t Q = a.q_dim(), KV = a.kv_dim();
+        for (std::int64_t r = 0; r < s.B * s.T; ++r) {
+          for (std::int64_t c = 0; c < Q; ++c) got[r * a.row() + c] = dq[r * Q + c];
+          for (std::int64_t c = 0; c < 2 * KV; ++c) got[r * a.row() + Q + c] = dkv[r * 2 * KV + c];
+        }
+        CHECK(max_abs_diff(got, to_double(ref_d)) <= 3e-6 * max_abs(to_double(ref_d)));
+      }
+  }
 }

@@ -266,8 +266,8 @@ TEST_CASE_TEMPLATE("attention forward and backward in 16 bits: the f32 kernel's 
   const Input<T> qkv(B * S * 3 * C, "p.att.qkv"), dout(B * S * C, "p.att.dout");
   std::vector<T> out(B * S * C), dqkv(B * S * 3 * C);
   std::vector<float> out_f(B * S * C), dqkv_f(B * S * 3 * C), lse(B * NH * S), lse_f(B * NH * S);
-  cpu::attention_forward(out.data(), lse.data(), qkv.low.data(), B, S, C, NH);
-  cpu::attention_forward(out_f.data(), lse_f.data(), qkv.f32.data(), B, S, C, NH);
+  cpu::attention_forward(out.data(), lse.data(), qkv.low.data(), AttentionShape::mha(B, S, C, NH));
+  cpu::attention_forward(out_f.data(), lse_f.data(), qkv.f32.data(), AttentionShape::mha(B, S, C, NH));
   // out = Σ_s p_s v_s with Σ p = 1 (p from S scores of hs products each), so the sums'
   // magnitude is at most max|v|: norm-wise, (S + hs + 8) terms' worth of rounding of it.
   double max_v = 0.0, max_score = 0.0;
@@ -285,8 +285,10 @@ TEST_CASE_TEMPLATE("attention forward and backward in 16 bits: the f32 kernel's 
   // Backward on the same forward results (the f32 kernel's out, rounded as T stores it).
   const std::vector<T> out_low = cast_to<T>(std::vector<double>(out_f.begin(), out_f.end()));
   const std::vector<float> out_wide = widen(out_low);
-  cpu::attention_backward(dqkv.data(), dout.low.data(), qkv.low.data(), out_low.data(), lse_f.data(), B, S, C, NH);
-  cpu::attention_backward(dqkv_f.data(), dout.f32.data(), qkv.f32.data(), out_wide.data(), lse_f.data(), B, S, C, NH);
+  cpu::attention_backward(dqkv.data(), dout.low.data(), qkv.low.data(), out_low.data(), lse_f.data(),
+                          AttentionShape::mha(B, S, C, NH));
+  cpu::attention_backward(dqkv_f.data(), dout.f32.data(), qkv.f32.data(), out_wide.data(), lse_f.data(),
+                          AttentionShape::mha(B, S, C, NH));
   // dq = scale·Σ_s ds·k, dk = scale·Σ_t ds·q, dv = Σ_t p·dout with ds = p·(dout·v - dout·out):
   // each a reduction over at most S positions of terms built from hs-long products, so
   // norm-wise per part (q, k, v): (S + 2·hs + 8) terms of rounding of the part's largest

@@ -85,7 +85,7 @@ TEST_CASE("layout: every rule names the flag, its value and what would work") {
       {refusal([](LayoutConfig& l) { l.grad_accum = 0; }), "--grad-accum 0; use at least 1 micro-batch"},
       {refusal([](LayoutConfig& l) { l.data.bucket_bytes = 0; }), "the gradient bucket size is 0 bytes"},
       {refusal([](LayoutConfig& l) { l.partition = "3,x"; }), "--partition '3,x' is not even, parameters or a"},
-      {refusal([](LayoutConfig& l) { l.dp = 0; }), "the layout's degrees are tp 1, pp 1, dp 0"},
+      {refusal([](LayoutConfig& l) { l.dp = 0; }), "the layout's degrees are tp 1, cp 1, pp 1, dp 0"},
   };
   for (const auto& [message, want] : cases) {
     CAPTURE(message);

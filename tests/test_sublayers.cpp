@@ -1,9 +1,8 @@
-// The sub-layers a block is composed of, nn::SelfAttention and nn::Mlp over GELU, SwiGLU
-// and GeGLU, checked with the library's own gradient checker (llmpar/testing/
-// gradcheck.hpp) in double; the checker itself against backwards that are wrong by
-// 0.1%; the gated units' 16-bit kernels against the float kernel; and both sub-layers
-// split over 2 and 4 thread ranks, with and without sequence parallelism, against the
-// serial layer (outputs, input gradients and every parameter's gradient).
+// The sub-layers a block is composed of, nn::SelfAttention (multi-head, and grouped-query
+// with rotary positions) and nn::Mlp over GELU, SwiGLU and GeGLU, checked with the library's own gradient checker
+// (llmpar/testing/ gradcheck.hpp) in double; the checker itself against backwards that are wrong by 0.1%; the gated
+// units' 16-bit kernels against the float kernel; and both sub-layers split over 2 and 4 thread ranks, with and without
+// sequence parallelism, against the serial layer (outputs, input gradients and every parameter's gradient).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -29,13 +28,22 @@ constexpr std::int64_t kDim = 16;
 
 template <class T, class Backend = backend::Cpu>
 nn::SelfAttention<T, Backend> attention(bool bias, nn::TensorParallelGroup tp = {}) {
-  return {"attn.qkv", "attn.proj", {.dim = kDim, .heads = 4, .bias = bias, .init_std = 0.3f, .out_init_std = 0.2f},
-          tp};
+  return {"attn.qkv", "attn.proj", {.dim = kDim, .heads = 4, .bias = bias, .init_std = 0.3f, .out_init_std = 0.2f}, tp};
+}
+// Grouped-query attention with rotary positions (Llama's): 8 query heads of 2 channels
+// reading kv_heads kv heads; theta 100 so that positions 0..7 turn the pairs well apart.
+template <class T>
+nn::SelfAttention<T, backend::Cpu, nn::Rotary<backend::Cpu>> gqa_attention(std::int64_t kv_heads,
+                                                                           nn::TensorParallelGroup tp = {}) {
+  return {"attn.qkv",
+          "attn.proj",
+          {.dim = kDim, .heads = 8, .kv_heads = kv_heads, .bias = false, .init_std = 0.4f, .out_init_std = 0.2f},
+          tp,
+          nn::Rotary<backend::Cpu>{{.theta = 100.0f}}};
 }
 template <class T, class Act>
 nn::Mlp<T, backend::Cpu, Act> mlp(nn::TensorParallelGroup tp = {}) {
-  return {"mlp.up", "mlp.down", {.dim = kDim, .hidden = 24, .bias = true, .init_std = 0.3f, .out_init_std = 0.2f},
-          tp};
+  return {"mlp.up", "mlp.down", {.dim = kDim, .hidden = 24, .bias = true, .init_std = 0.3f, .out_init_std = 0.2f}, tp};
 }
 
 // A layer whose backward is the wrapped one's with one gradient off by 0.1%: dx, or the
@@ -81,6 +89,24 @@ TEST_CASE("nn::SelfAttention's gradients match central finite differences in dou
   }
 }
 
+TEST_CASE("grouped-query attention with rotary positions matches central finite differences in double") {
+  backend::cpu::Context ctx;
+  for (std::int64_t kv_heads : {8, 4, 2, 1}) {  // multi-head, 2, 4 and 8 query heads per kv head
+    auto layer = gqa_attention<double>(kv_heads);
+    const auto report = testing::check_layer(ctx, layer, {.batch = 2, .seq = 5, .dim = kDim});
+    MESSAGE("kv heads ", kv_heads, ": ", report.summary());
+    CHECK(report.ok());
+    CHECK(layer.qkv().linear().weight().shape[0] == (8 + 2 * kv_heads) * 2);
+  }
+  // Llama 3's frequency scaling on the same layer.
+  nn::SelfAttention<double, backend::Cpu, nn::Rotary<backend::Cpu>> scaled(
+      "attn.qkv", "attn.proj", {.dim = kDim, .heads = 4, .kv_heads = 2, .bias = false, .init_std = 0.4f}, {},
+      nn::Rotary<backend::Cpu>{{.theta = 50.0f, .factor = 8.0f, .original_max_position = 16}});
+  const auto report = testing::check_layer(ctx, scaled, {.batch = 1, .seq = 6, .dim = kDim});
+  MESSAGE("llama3 scaling: ", report.summary());
+  CHECK(report.ok());
+}
+
 TEST_CASE_TEMPLATE("nn::Mlp's gradients match central finite differences in double", Act, nn::Gelu, nn::SwiGlu,
                    nn::GeGlu) {
   backend::cpu::Context ctx;
@@ -110,8 +136,8 @@ TEST_CASE("the gradient checker's options are checked") {
   auto layer = mlp<double, nn::Gelu>();
   CHECK_THROWS_WITH_AS(testing::check_layer(ctx, layer, {.dim = kDim}, {.step = 0.0}),
                        doctest::Contains("gradcheck step is 0"), Error);
-  CHECK_THROWS_WITH_AS(testing::check_layer(ctx, layer, {.dim = 0}), doctest::Contains("check_layer: batch 2, seq 5, dim 0"),
-                       Error);
+  CHECK_THROWS_WITH_AS(testing::check_layer(ctx, layer, {.dim = 0}),
+                       doctest::Contains("check_layer: batch 2, seq 5, dim 0"), Error);
 }
 
 TEST_CASE_TEMPLATE("the gated units' 16-bit kernels are the float kernel rounded once", T, bf16, f16) {
@@ -148,8 +174,8 @@ TEST_CASE_TEMPLATE("the gated units' 16-bit kernels are the float kernel rounded
 namespace {
 
 struct LayerRun {
-  std::vector<float> out, dx;                // this rank's rows
-  std::vector<std::vector<float>> grads;     // per parameter, the full tensor
+  std::vector<float> out, dx;             // this rank's rows
+  std::vector<std::vector<float>> grads;  // per parameter, the full tensor
   std::vector<std::string> names;
 };
 
@@ -228,14 +254,32 @@ void check_split_like_serial(Make make) {
 
 }  // namespace
 
-TEST_CASE("nn::SelfAttention split over 2 and 4 thread ranks, with and without sequence parallelism, is the serial "
-          "layer") {
+TEST_CASE(
+    "nn::SelfAttention split over 2 and 4 thread ranks, with and without sequence parallelism, is the serial "
+    "layer") {
   check_split_like_serial([](nn::TensorParallelGroup tp) { return attention<float>(true, tp); });
 }
 
-TEST_CASE_TEMPLATE("nn::Mlp split over 2 and 4 thread ranks, with and without sequence parallelism, is the serial layer",
-                   Act, nn::Gelu, nn::SwiGlu, nn::GeGlu) {
+TEST_CASE(
+    "grouped-query attention split over 2 and 4 thread ranks (kv heads split with the query heads) is the serial "
+    "layer") {
+  check_split_like_serial([](nn::TensorParallelGroup tp) { return gqa_attention<float>(4, tp); });
+}
+
+TEST_CASE_TEMPLATE(
+    "nn::Mlp split over 2 and 4 thread ranks, with and without sequence parallelism, is the serial layer", Act,
+    nn::Gelu, nn::SwiGlu, nn::GeGlu) {
   check_split_like_serial([](nn::TensorParallelGroup tp) { return mlp<float, Act>(tp); });
+}
+
+TEST_CASE("kv heads the tensor-parallel degree does not divide are named") {
+  comm::run_threads(4, [&](comm::ThreadComm& thread_world) {
+    comm::Comm world(std::move(thread_world));
+    CHECK_THROWS_WITH_AS(gqa_attention<float>(2, nn::TensorParallelGroup(&world)),
+                         doctest::Contains("kv heads (2) is not divisible by the tensor-parallel degree 4"), Error);
+  });
+  CHECK_THROWS_WITH_AS(gqa_attention<float>(3), doctest::Contains("attention kv_heads 3 does not divide the heads 8"),
+                       Error);
 }
 
 TEST_CASE("a head count or hidden size the tensor-parallel degree does not divide is named") {
@@ -243,6 +287,8 @@ TEST_CASE("a head count or hidden size the tensor-parallel degree does not divid
     comm::Comm world(std::move(thread_world));
     CHECK_THROWS_WITH_AS(attention<float>(true, nn::TensorParallelGroup(&world)),
                          doctest::Contains("heads (4) is not divisible by the tensor-parallel degree 5"), Error);
+    CHECK_THROWS_WITH_AS(gqa_attention<float>(4, nn::TensorParallelGroup(&world)),
+                         doctest::Contains("heads (8) is not divisible by the tensor-parallel degree 5"), Error);
     CHECK_THROWS_WITH_AS((mlp<float, nn::SwiGlu>(nn::TensorParallelGroup(&world))),
                          doctest::Contains("MLP hidden (24) is not divisible by the tensor-parallel degree 5"), Error);
   });

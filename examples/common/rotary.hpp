@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <llmpar/core/attention_shape.hpp>
 #include <llmpar/core/dtype.hpp>
 #include <llmpar/core/error.hpp>
 #include <vector>
@@ -44,36 +45,42 @@ class Rotary {
 
   enum class Direction { forward, backward };
 
-  // Rotates q and k of qkv (B, S, 3·Cl) in place, Cl = this rank's channels: q in
-  // [0, Cl), k in [Cl, 2Cl), v untouched. forward: by +angle (the forward pass);
-  // backward: by -angle, which carries dq and dk back through the forward rotation.
-  void rotate(T* qkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim, Direction direction) const {
-    LLMPAR_CHECK(seq <= max_seq_, "rotary embedding: sequence length ", seq, " is longer than the tables' ", max_seq_);
+  // Rotates q and k of qkv (B, S, R) in place, `shape` this rank's heads
+  // (core/attention_shape.hpp): the q of its query heads and the k of its kv heads sit
+  // side by side at the start of each row, v after them untouched. forward: by +angle
+  // (the forward pass); backward: by -angle, which carries dq and dk back through the
+  // forward rotation.
+  void rotate(T* qkv, const llmpar::AttentionShape& shape, Direction direction) const {
+    LLMPAR_CHECK(shape.seq <= max_seq_, "rotary embedding: sequence length ", shape.seq, " is longer than the tables' ",
+                 max_seq_);
+    LLMPAR_CHECK(shape.head_dim == 2 * half_, "rotary embedding: head size ", shape.head_dim, " is not the tables' ",
+                 2 * half_);
     const Acc sign = direction == Direction::forward ? Acc(1) : Acc(-1);
-    const std::int64_t rows = batch * seq, pairs = local_dim / 2;  // pairs of q (and of k) per row
+    const std::int64_t rows = shape.batch * shape.seq, R = shape.row();
+    const std::int64_t pairs = (shape.q_dim() + shape.kv_dim()) / 2;  // pairs of q and k per row
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
-      const Acc* c = cos_.data() + (r % seq) * half_;  // (hs/2) for this position
-      const Acc* s = sin_.data() + (r % seq) * half_;
-      for (T* x : {qkv + r * 3 * local_dim, qkv + r * 3 * local_dim + local_dim})  // q, then k
-        for (std::int64_t p = 0; p < pairs; ++p) {
-          const std::int64_t i = p % half_;  // the pair's index within its head
-          const Acc x0 = llmpar::convert<Acc>(x[2 * p]), x1 = llmpar::convert<Acc>(x[2 * p + 1]);
-          x[2 * p] = llmpar::convert<T>(x0 * c[i] - sign * x1 * s[i]);
-          x[2 * p + 1] = llmpar::convert<T>(sign * x0 * s[i] + x1 * c[i]);
-        }
+      const Acc* c = cos_.data() + (r % shape.seq) * half_;  // (hs/2) for this position
+      const Acc* s = sin_.data() + (r % shape.seq) * half_;
+      T* x = qkv + r * R;
+      for (std::int64_t p = 0; p < pairs; ++p) {
+        const std::int64_t i = p % half_;  // the pair's index within its head
+        const Acc x0 = llmpar::convert<Acc>(x[2 * p]), x1 = llmpar::convert<Acc>(x[2 * p + 1]);
+        x[2 * p] = llmpar::convert<T>(x0 * c[i] - sign * x1 * s[i]);
+        x[2 * p + 1] = llmpar::convert<T>(sign * x0 * s[i] + x1 * c[i]);
+      }
     }
   }
 
   // nn::SelfAttention's Positions: rotate q and k after the projection, and their
   // gradients back before it.
   template <class Context>
-  void forward(Context&, T* qkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim) const {
-    rotate(qkv, batch, seq, local_dim, Direction::forward);
+  void forward(Context&, T* qkv, const llmpar::AttentionShape& shape) const {
+    rotate(qkv, shape, Direction::forward);
   }
   template <class Context>
-  void backward(Context&, T* dqkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim) const {
-    rotate(dqkv, batch, seq, local_dim, Direction::backward);
+  void backward(Context&, T* dqkv, const llmpar::AttentionShape& shape) const {
+    rotate(dqkv, shape, Direction::backward);
   }
 
  private:

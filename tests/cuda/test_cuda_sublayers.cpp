@@ -1,4 +1,5 @@
-// The sub-layers (nn::SelfAttention, nn::Mlp over GELU, SwiGLU and GeGLU) on the CUDA
+// The sub-layers (nn::SelfAttention, also grouped-query with rotary positions as Llama's,
+// nn::Mlp over GELU, SwiGLU and GeGLU) on the CUDA
 // backend against the same layers on the CPU backend: the same weights (drawn from the
 // same seed and names), the same input and output gradient, one forward and backward;
 // the outputs, input gradients and every parameter's gradient within the storage
@@ -29,6 +30,16 @@ constexpr std::int64_t kB = 2, kS = 16, kC = 64;
 template <class T, class Backend>
 nn::SelfAttention<T, Backend> make(nn::SelfAttention<T, Backend>*) {
   return {"attn.qkv", "attn.proj", {.dim = kC, .heads = 4, .init_std = 0.2f, .out_init_std = 0.1f}};
+}
+// Llama's: grouped-query attention (8 query heads on 2 kv heads of 8 channels) with
+// rotary positions (Llama 3.1's frequency scaling, context 8 so that it changes angles).
+template <class T, class Backend>
+nn::SelfAttention<T, Backend, nn::Rotary<Backend>> make(nn::SelfAttention<T, Backend, nn::Rotary<Backend>>*) {
+  return {"attn.qkv",
+          "attn.proj",
+          {.dim = kC, .heads = 8, .kv_heads = 2, .bias = false, .init_std = 0.2f, .out_init_std = 0.1f},
+          {},
+          nn::Rotary<Backend>{{.theta = 10000.0f, .factor = 8.0f, .original_max_position = 8}}};
 }
 template <class T, class Backend, class Act>
 nn::Mlp<T, Backend, Act> make(nn::Mlp<T, Backend, Act>*) {
@@ -75,6 +86,9 @@ Run run(typename Backend::Context& ctx, const std::vector<T>& x, const std::vect
   return r;
 }
 
+template <class T, class Backend>
+using RotaryAttention = nn::SelfAttention<T, Backend, nn::Rotary<Backend>>;
+
 template <class Act>
 struct MlpOf {
   template <class T, class Backend>
@@ -107,6 +121,7 @@ void check(backend::cuda::Context& gpu, const char* what) {
 template <class T>
 void check_type(backend::cuda::Context& gpu) {
   check<nn::SelfAttention, T>(gpu, "SelfAttention");
+  check<RotaryAttention, T>(gpu, "SelfAttention<Rotary> GQA 8/2");
   check<MlpOf<nn::Gelu>::template type, T>(gpu, "Mlp<Gelu>");
   check<MlpOf<nn::SwiGlu>::template type, T>(gpu, "Mlp<SwiGlu>");
   check<MlpOf<nn::GeGlu>::template type, T>(gpu, "Mlp<GeGlu>");

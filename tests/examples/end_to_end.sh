@@ -51,6 +51,13 @@
 #                 logged incident and the run finishes, the same incident at tp 2 and
 #                 at dp 2; bad checkpoints and flags are named, a µP
 #                 checkpoint resumed without --mup (or with another base width) too
+#   llama         --model llama-tiny (grouped-query attention, RoPE, SwiGLU, RMSNorm,
+#                 untied head) learns, and trains at tp 2 with sp, tp 2 x dp 2 with ZeRO 1,
+#                 cp 2 x tp 2 and cp 4 (context parallelism, ring attention),
+#                 dp 2 with ZeRO 3, a 2-stage 1F1B and ZB-H1 pipeline as one rank does with
+#                 the same micro-batches (fp32 losses to 1e-5), bf16 within 2e-2; a checkpoint of
+#                 step 3 resumes at tp 2 within 1e-5 of the uninterrupted run; bad Llama
+#                 flags are named before the first step
 #   plan          llmpar-plan: --calibrate writes this machine's cluster file; the quick
 #                 validation grid (8 layouts: precisions, recomputation, ZeRO 2 and 3, tp
 #                 with sp, zb and interleaved pipelines) predicts every rank-0 memory
@@ -298,6 +305,65 @@ case "$case" in
     if [[ "$case" == ranks ]]; then
       expect_error "--ranks 0 is not a positive whole number" "$bin/train_gpt" --ranks 0
     fi
+    ;;
+  llama)
+    common=(--model llama-tiny --steps 6 --warmup 2 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --seq 64
+      --global-batch 8)
+    "$bin/train_gpt" "${common[@]}" --batch 2 --metrics one.jsonl | tee one.txt
+    grep -q 'Llama: 2 kv heads, SwiGLU 384, RoPE theta 500000, untied head' one.txt ||
+      fail "train_gpt --model llama-tiny did not say its model"
+    run() {  # run NAME FLAGS...: a layout's run, its losses in NAME.jsonl
+      local name="$1"
+      shift
+      "$bin/train_gpt" "${common[@]}" "$@" --metrics "$name.jsonl" | tee "$name.txt"
+    }
+    run tp --ranks 2 --tp 2 --sp --batch 2
+    run tp2dp2 --ranks 4 --tp 2 --zero 1 --batch 1
+    run zero3 --ranks 2 --zero 3 --batch 1
+    run 1f1b --ranks 2 --pp 2 --schedule 1f1b --batch 2
+    run zb --ranks 2 --pp 2 --schedule zb --recompute selective --batch 2
+    run cp --ranks 4 --cp 2 --tp 2 --batch 2
+    run cp4 --ranks 4 --cp 4 --batch 2
+    grep -q '4 ranks (thread; tp 2 x cp 2 x dp 1, ZeRO 0)' cp.txt || fail "the cp run did not say its layout"
+    losses() { grep -o '"loss":[^,}]*' "$1" | cut -d: -f2; }
+    for layout in tp tp2dp2 zero3 1f1b zb cp cp4; do
+      paste <(losses one.jsonl) <(losses $layout.jsonl) | awk -v layout=$layout '{
+          d = $1 - $2; if (d < 0) d = -d
+          if (d > 1e-5 * $1) { print "step " NR ": loss " $1 " (1 rank) vs " $2 " (" layout ")"; bad = 1 }
+        } END { exit bad || NR != 6 }' || fail "llama $layout did not reproduce the 1-rank losses"
+    done
+    # It learns: 60 steps on the fortunes take the loss well below the bytes' 5.5 nats;
+    # bf16 tracks fp32 (2e-2 relative).
+    "$bin/train_gpt" --model llama-tiny --steps 60 --eval-every 0 --sample-tokens 0 --peak-gflops 50 --batch 8 \
+      --metrics learn.jsonl | tee learn.txt
+    last=$(losses learn.jsonl | tail -1)
+    awk -v l="$last" 'BEGIN { exit !(l < 3.2) }' || fail "llama-tiny ended at loss $last"
+    run bf16 --batch 2 --precision bf16
+    paste <(losses one.jsonl) <(losses bf16.jsonl) | awk '{
+        d = $1 - $2; if (d < 0) d = -d
+        if (d > 2e-2 * $1) { print "step " NR ": " $1 " (fp32) vs " $2 " (bf16)"; bad = 1 } } END { exit bad || NR != 6 }' ||
+      fail "llama-tiny in bf16 did not track fp32"
+    # A checkpoint of step 3 resumes at tp 2 x dp 1 within 1e-5 of the run that went on.
+    "$bin/train_gpt" "${common[@]}" --batch 2 --save ckpt --save-every 3 --exit-after 3 >/dev/null
+    "$bin/train_gpt" "${common[@]}" --batch 2 --ranks 2 --tp 2 --resume latest --save ckpt --metrics resumed.jsonl |
+      tee resumed.txt
+    grep -q 'resume: step 3' resumed.txt || fail "the Llama run did not resume at step 3"
+    paste <(losses one.jsonl | tail -3) <(losses resumed.jsonl) | awk '{
+        d = $1 - $2; if (d < 0) d = -d
+        if (d > 1e-5 * $1) { print "step " NR + 3 ": " $1 " vs " $2; bad = 1 } } END { exit bad || NR != 3 }' ||
+      fail "the resumed Llama run at tp 2 did not continue the run"
+    expect_error "was saved from a llama model but this run builds a gpt2" "$bin/train_gpt" --resume ckpt --steps 8
+    expect_error "kv_heads (--kv-heads) is 3; it must divide heads 4" "$bin/train_gpt" --model llama-tiny --kv-heads 3
+    expect_error "--tp 4 does not divide the kv heads" "$bin/train_gpt" --model llama-tiny --ranks 4 --tp 4
+    expect_error "--kv-heads, --ffn-dim and --rope-theta shape a Llama" "$bin/train_gpt" --kv-heads 2
+    expect_error "a Llama (--model llama-tiny) trains without it" "$bin/train_gpt" --model llama-tiny --mup
+    expect_error "--seq 62 is not divisible by 2 x --cp 2" "$bin/train_gpt" --model llama-tiny --ranks 2 --cp 2 --seq 62
+    # Hugging Face: a folder out and back in, the same bytes.
+    "$bin/train_gpt" "${common[@]}" --batch 2 --export hf >/dev/null
+    [[ -f hf/config.json && -f hf/model.safetensors ]] || fail "--export hf wrote no model folder"
+    "$bin/train_gpt" --init-from hf --steps 0 --export hf2 | tee hf.txt
+    grep -q 'model: hf, .* Llama: 2 kv heads' hf.txt || fail "--init-from hf did not build the folder's Llama"
+    cmp hf/model.safetensors hf2/model.safetensors || fail "the Hugging Face folder did not round-trip" 
     ;;
   pipeline)
     common=(--steps 5 --warmup 2 --eval-every 5 --eval-batches 2 --peak-gflops 50 --batch 2 --grad-accum 4)

@@ -34,15 +34,32 @@
 // or a one-rank snapshot's: it must hold every element), and stores F32 in HF's names
 // (no prefix) and order, with the metadata {"format": "pt"} that transformers'
 // from_pretrained expects of a safetensors file.
+//
+// Folders. What save_pretrained writes and from_pretrained reads is a folder:
+// config.json, and model.safetensors or (above its max_shard_size) the shards that
+// model.safetensors.index.json's weight_map names. This file holds what every family's
+// folder shares (hf_llama.hpp's Llama uses it too): hf::Tensors, the tensors of a file or
+// of a folder, read_gpt2 and read_llama's one way in; detail::ConfigJson, config.json's
+// values read with an error naming the key, the value and the file; and
+// detail::write_folder, which writes the two files under temporary names and renames
+// them into place, so a folder never holds a half-written model.safetensors.
+// read_gpt2 takes a file or a folder; read_gpt2_config reads a GPT-2 config.json (and
+// refuses one whose model llmpar's GPT-2 does not compute: another activation, epsilon,
+// MLP width or attention scaling); write_gpt2_folder writes a folder that
+// GPT2LMHeadModel.from_pretrained loads.
 #pragma once
 
 #include <algorithm>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -124,12 +141,15 @@ inline std::string shape_text(const Shape& s) {
 inline std::vector<std::int64_t> dims_of(const Shape& s) { return {s.dims.begin(), s.dims.begin() + s.rank}; }
 
 // "h.12.attn.bias" -> 12 for a name under h.N. (else nullopt); `rest` gets what follows.
-inline std::optional<std::int64_t> layer_of(std::string_view name, std::string_view* rest = nullptr) {
-  if (name.substr(0, 2) != "h.") return std::nullopt;
-  std::size_t i = 2;
+// `blocks` is the blocks' prefix (Llama's "layers.").
+inline std::optional<std::int64_t> layer_of(std::string_view name, std::string_view* rest = nullptr,
+                                            std::string_view blocks = "h.") {
+  if (name.substr(0, blocks.size()) != blocks) return std::nullopt;
+  const std::size_t first = blocks.size();
+  std::size_t i = first;
   std::int64_t layer = 0;
-  while (i < name.size() && name[i] >= '0' && name[i] <= '9' && i < 12) layer = layer * 10 + (name[i++] - '0');
-  if (i == 2 || i >= name.size() || name[i] != '.') return std::nullopt;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9' && i < first + 10) layer = layer * 10 + (name[i++] - '0');
+  if (i == first || i >= name.size() || name[i] != '.') return std::nullopt;
   if (rest != nullptr) *rest = name.substr(i + 1);
   return layer;
 }
@@ -183,7 +203,89 @@ inline void to_f32(DType t, const std::vector<std::byte>& bytes, float* out, std
   }
 }
 
+// config.json's number for a float of ours: the float's shortest decimal (1e-05, not
+// the 9.99999974737875e-06 of the float widened to double), as transformers writes it.
+inline double json_number(float v) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, v).ptr;
+  double d = 0.0;
+  std::from_chars(text, end, d);
+  return d;
+}
+
+// A config.json that save_pretrained wrote, read a key at a time: a value of the wrong
+// type is an error naming the key, the value and the file. A key that is absent (or
+// null) takes the default transformers gives it, which is what from_pretrained would
+// compute with.
+struct ConfigJson {
+  std::string path;  // FOLDER/config.json
+  nlohmann::json json;
+
+  static ConfigJson read(const std::string& folder);
+
+  bool has(const char* key) const { return json.contains(key) && !json[key].is_null(); }
+  // model_type, or the family of the first of `architectures` when it is absent ("" if neither).
+  std::string model_type() const;
+  // A value that must be there (transformers has no default for it, or llmpar needs it given).
+  std::int64_t integer(const char* key) const;
+  std::int64_t integer(const char* key, std::int64_t fallback) const { return has(key) ? integer(key) : fallback; }
+  double number(const char* key, double fallback) const;
+  bool boolean(const char* key, bool fallback) const;
+  std::string text(const char* key, const std::string& fallback) const;
+};
+
+// cfg.validate(), its error prefixed with the config.json it was read from.
+template <class Config>
+void validate_read(const Config& cfg, const std::string& path) {
+  try {
+    cfg.validate();
+  } catch (const Error& e) {
+    LLMPAR_FAIL(path, " describes a model llmpar cannot build: ", e.what());
+  }
+}
+
+// Writes `dir` as save_pretrained does: dir/model.safetensors (`tensors`, with the
+// metadata {"format": "pt"}) and dir/config.json (`config`), each written under a
+// temporary name, fsynced and renamed into place (the weights first). Creates dir.
+LLMPAR_INLINE void write_folder(const std::string& dir, std::span<const safetensors::TensorRef> tensors,
+                                const nlohmann::ordered_json& config);
+
 }  // namespace detail
+
+// The tensors of a Hugging Face model: one safetensors file, or a folder that
+// save_pretrained wrote, holding model.safetensors or model.safetensors.index.json and
+// the shards its weight_map names (each tensor in the shard the map says). Only the
+// headers are read when it opens; a tensor's values when asked for.
+class Tensors {
+ public:
+  struct Entry {
+    const safetensors::TensorInfo* info;  // its name, dtype, shape
+    const safetensors::File* file;        // the file holding it (file->path() names it in errors)
+  };
+
+  // `path`: a .safetensors file, or a folder.
+  static Tensors open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  std::span<const Entry> entries() const { return entries_; }
+
+  // Fails unless e holds floating-point weights (F32, F16 or BF16).
+  static void check_float(const Entry& e);
+  // out (n) = e's first n elements as f32.
+  static void read_f32(const Entry& e, std::int64_t n, float* out);
+
+ private:
+  std::string path_;
+  std::vector<std::unique_ptr<safetensors::File>> files_;  // unmoving: entries point into them
+  std::vector<Entry> entries_;
+};
+
+// The GPT-2 of a config.json that GPT2LMHeadModel.save_pretrained wrote (or the hub's
+// gpt2): n_layer, n_head, n_embd, n_positions (max_seq) and vocab_size (padded_vocab
+// rounded up to a multiple of 128), initializer_range. A config llmpar's GPT-2 would
+// compute differently from (another model_type, activation, layer_norm_epsilon, n_inner,
+// attention scaling, or an untied head) is an error naming the key and its value.
+LLMPAR_INLINE models::GPT2Config read_gpt2_config(const std::string& folder);
 
 // Fails unless cfg computes what HF's GPT-2 of the same weights computes: µP's output
 // multiplier (above its base width) has no counterpart there. `what` says which way the
@@ -196,9 +298,9 @@ inline void check_standard_logits(const models::GPT2Config& cfg, const char* wha
                "--mup-base-dim, to exchange weights with it");
 }
 
-// The GPT-2 in HF safetensors file `path`, checked against cfg, as whole tensors in our
-// names and layout (wte padded with zero rows to cfg.padded_vocab, wpe cut to
-// cfg.max_seq rows), without moments. Load it with
+// The GPT-2 in HF safetensors file `path` (or in the folder `path`, see Tensors),
+// checked against cfg, as whole tensors in our names and layout (wte padded with zero
+// rows to cfg.padded_vocab, wpe cut to cfg.max_seq rows), without moments. Load it with
 // trainer.load_weights(checkpoint::Source::of(snapshot)) — the Source reads the
 // snapshot in place, so keep the snapshot alive while the Source is used.
 LLMPAR_INLINE checkpoint::Snapshot read_gpt2(const std::string& path, const models::GPT2Config& cfg);
@@ -206,6 +308,11 @@ LLMPAR_INLINE checkpoint::Snapshot read_gpt2(const std::string& path, const mode
 // GPT-2 under cfg, read whole from `source` (every element of every tensor), written to
 // `path` as an HF safetensors file (F32, HF's names and order, {"format": "pt"}).
 LLMPAR_INLINE void write_gpt2(const std::string& path, const checkpoint::Source& source, const models::GPT2Config& cfg);
+
+// The same tensors as write_gpt2's, as a folder GPT2LMHeadModel.from_pretrained loads:
+// dir/model.safetensors and dir/config.json (detail::write_folder).
+LLMPAR_INLINE void write_gpt2_folder(const std::string& dir, const checkpoint::Source& source,
+                                     const models::GPT2Config& cfg);
 
 }  // namespace llmpar::checkpoint::hf
 

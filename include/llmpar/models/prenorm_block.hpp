@@ -39,6 +39,7 @@
 
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/nn/context_parallel.hpp"
 #include "llmpar/nn/layer.hpp"
 #include "llmpar/nn/scratch.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
@@ -125,10 +126,12 @@ class PreNormBlock {
   // The scratch shared by the parts (the model shares its own between blocks; a block
   // alone uses one it owns).
   void use_scratch(Scratch* scratch) { shared_ = scratch; }
+  // Context parallelism (nn/context_parallel.hpp), where the attention has it: this
+  // rank's rows are its chunks of every sequence; only attention looks across them.
+  void set_context_parallel(nn::ContextParallelGroup cp) requires requires(Attention& a) { a.set_context_parallel(cp); }
+  { attn_.set_context_parallel(cp); }
   // Selective recomputation (Korthikanti et al. 2022), where the attention has it.
-  void set_selective_recompute(bool on)
-    requires nn::HasSelectiveRecompute<Attention>
-  {
+  void set_selective_recompute(bool on) requires nn::HasSelectiveRecompute<Attention> {
     attn_.set_selective_recompute(on);
   }
 
@@ -157,9 +160,7 @@ class PreNormBlock {
   // accumulate (the norms', under sequence parallelism, over this rank's rows only).
   // With `defer`, the parts' weight gradients wait for backward_weights.
   void backward(Context& ctx, Saved& sv, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
-                Scratch& s, Deferred* defer = nullptr)
-    requires kSharedScratch
-  {
+                Scratch& s, Deferred* defer = nullptr) requires kSharedScratch {
     const std::int64_t rows = batch * seq, local = tp_.local_rows(rows), C = dim_;
     s.reserve(rows, C, tp_.sequence_parallel());
     if constexpr (kDefers) {
@@ -182,9 +183,8 @@ class PreNormBlock {
 
   // The weight pass after backward(..., defer): the parts' weight gradients in the
   // order backward computes them (bitwise the undivided backward's).
-  void backward_weights(Context& ctx, const Saved& sv, const Deferred& d, std::int64_t batch, std::int64_t seq)
-    requires kDefers
-  {
+  void backward_weights(Context& ctx, const Saved& sv, const Deferred& d, std::int64_t batch,
+                        std::int64_t seq) requires kDefers {
     mlp_.backward_weights(ctx, sv.mlp, d.mlp, sv.norm2_out.data(), batch, seq);
     attn_.backward_weights(ctx, sv.attn, d.attn, sv.norm1_out.data(), batch, seq);
   }

@@ -1,6 +1,7 @@
 // llmpar/models/transformer.hpp — a decoder-only language model around a stack of
 // blocks: token embedding (and, optionally, a learned position table), L blocks, a final
-// norm, an LM head tied to the token table, and the cross-entropy loss.
+// norm, an LM head (tied to the token table, or a table of its own), and the
+// cross-entropy loss.
 //
 // What differs between GPT-2, a LLaMA-style model or a user's model is the block, the
 // final norm, whether positions come from a table, and the names; a Spec says those
@@ -19,6 +20,8 @@
 //     static constexpr const char* kTokenTable = "wte";
 //     static constexpr const char* kPositionTable = "wpe";  // or nullptr: none
 //     static constexpr const char* kBlockPrefix = "h.";     // block l is named "h.<l>"
+//     static constexpr const char* kHeadTable = nullptr;    // tied to kTokenTable, or the
+//                                                           // untied head's name (optional)
 //     template <class T, class B> static Norm<T, B> final_norm(const Config&);
 //   };
 //
@@ -55,6 +58,8 @@
 //  - Under a pipeline the last stage holds a copy of the token table for the tied LM
 //    head (tied_copy()), initialised from the same name; its gradient is summed with the
 //    first stage's over the embedding group, so the two stay identical (Megatron-LM).
+//    An untied head (Spec::kHeadTable, Llama 3) is a vocabulary-parallel table of its
+//    own on the last stage, in a unit of its own; nothing is summed between stages.
 //  - The vocabulary is padded (GPT-2: 50257 -> 50304) so the LM-head GEMM has aligned
 //    rows; padded logits never enter the loss and get zero gradient.
 //  - An output multiplier s (µP) scales the head's input rows, not the logits: logits
@@ -77,6 +82,7 @@
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/nn/context_parallel.hpp"
 #include "llmpar/nn/layer.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/scratch.hpp"
@@ -191,6 +197,15 @@ class TransformerCore {
   using Embedding = nn::VocabParallelEmbedding<T, Backend>;
   // A learned position table (GPT-2), or none (positions inside the blocks: rotary).
   static constexpr bool kPositionTable = Spec::kPositionTable != nullptr;
+  // The name of an LM head of its own (Spec::kHeadTable), or null: the head is always
+  // the token table. With a name, Config::tie_embeddings (when it has one) can still tie
+  // them (Llama 3.2 1B does).
+  static constexpr const char* kHeadTable = [] {
+    if constexpr (requires { Spec::kHeadTable; })
+      return Spec::kHeadTable;
+    else
+      return static_cast<const char*>(nullptr);
+  }();
   // Whether the blocks can defer their weight gradients (the zero-bubble schedule).
   static constexpr bool kSplitsBackward = detail::SplitsBackward<Block, T, Space>;
 
@@ -233,15 +248,20 @@ class TransformerCore {
   // split as they are written to, the token table, LM head and loss split the
   // vocabulary; the position table and the final norm are whole on every rank.
   // placement: the pipeline chunks this rank holds (default: the whole model).
+  // cp: the context-parallel group (default: none): this rank holds its chunks of every
+  // sequence (nn/context_parallel.hpp), and its blocks' attention runs over the group.
   TransformerCore(const Config& cfg, std::uint64_t seed, nn::TensorParallelGroup tp = {},
-              pipeline::Placement placement = {})
+                  pipeline::Placement placement = {}, nn::ContextParallelGroup cp = {})
       : cfg_((cfg.validate(), cfg)),
+        tied_(ties_head_of(cfg)),
         tp_(tp),
+        cp_(cp),
         placement_(place(std::move(placement), cfg.layers)),
         output_multiplier_(output_multiplier_of(cfg)) {
     const pipeline::Placement& pl = placement_;
-    if (pl.first() || pl.last())
+    if (pl.first() || (pl.last() && tied_))
       table_.emplace(Spec::kTokenTable, cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp);
+    if (pl.last() && !tied_) head_.emplace(kHeadTable, cfg.vocab, cfg.padded_vocab, cfg.dim, cfg.init_std, tp);
     if constexpr (kPositionTable)
       if (pl.first())
         positions_ = nn::Parameter<T>(Spec::kPositionTable, {cfg.max_seq, cfg.dim},
@@ -255,7 +275,17 @@ class TransformerCore {
     chunk_first_.push_back(static_cast<std::int64_t>(blocks_.size()));
     if constexpr (requires(Block & b, detail::BlockScratch<T, Space> * s) { b.use_scratch(s); })
       for (auto& block : blocks_) block.use_scratch(&scratch_);
+    if (cp_.split()) {
+      if constexpr (requires(Block & b) { b.set_context_parallel(cp_); }) {
+        for (auto& block : blocks_) block.set_context_parallel(cp_);
+      } else {
+        LLMPAR_FAIL("context parallelism (--cp ", cp_.size(),
+                    ") needs blocks whose attention runs over the cp group (set_context_parallel; "
+                    "models::PreNormBlock of nn::SelfAttention has it); this model's blocks do not");
+      }
+    }
     if (table_) table_->use_scratch(&scratch_.partial, &scratch_.gathered);
+    if (head_) head_->use_scratch(&scratch_.partial, &scratch_.gathered);
     if (norm_) nn::mark_sequence_parallel<T>(*norm_, tp);
     number_units();
     store_.bind(*this);
@@ -263,6 +293,7 @@ class TransformerCore {
     // Padded token rows are never looked up and never produce a logit that matters:
     // keep them at zero so they cannot perturb anything.
     if (table_) table_->zero_padding();
+    if (head_) head_->zero_padding();
   }
   // This rank's model of `grid`: split over grid.tp(), holding pipeline stage
   // grid.coords().pp's layers of an even partition, no sequence parallelism.
@@ -271,8 +302,10 @@ class TransformerCore {
   // This rank's model of `grid` at `layout` (its tp and pp those of the grid): split
   // over grid.tp() with the layout's sequence parallelism, holding pipeline stage
   // grid.coords().pp's chunks of the layout's partition and virtual stages.
-  TransformerCore(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid, const parallel::LayoutConfig& layout)
-      : TransformerCore(cfg, seed, nn::TensorParallelGroup(&grid.tp(), layout.sp), placement_of(cfg, grid, layout)) {}
+  TransformerCore(const Config& cfg, std::uint64_t seed, comm::Grid<comm::Comm>& grid,
+                  const parallel::LayoutConfig& layout)
+      : TransformerCore(cfg, seed, nn::TensorParallelGroup(&grid.tp(), layout.sp), placement_of(cfg, grid, layout),
+                        context_parallel_of(grid, layout)) {}
   TransformerCore(const TransformerCore&) = delete;
   TransformerCore& operator=(const TransformerCore&) = delete;
 
@@ -301,6 +334,8 @@ class TransformerCore {
   // the columns vocab_slice() (all of them unsplit); only ids < vocab are meaningful.
   const T* logits(Context& ctx, const std::int32_t* tokens, std::int64_t batch, std::int64_t seq) {
     require_whole("logits");
+    LLMPAR_CHECK(!cp_.split(), "logits() of whole sequences: under context parallelism (--cp ", cp_.size(),
+                 ") each rank holds only its chunks of them; sample from a model without --cp");
     forward_chunk(ctx, 0, own_, tokens, nullptr, batch, seq, Pass::logits);
     return own_.logits.data();
   }
@@ -311,9 +346,9 @@ class TransformerCore {
     LLMPAR_CHECK(row >= 0 && row < batch * seq, "logits_row: row ", row, " is outside the batch's ", batch * seq,
                  " rows");
     const T* local = logits(ctx, tokens, batch, seq);
-    table_->download_row(ctx, host_row, local + row * table_->slice().count);
+    head().download_row(ctx, host_row, local + row * head().slice().count);
   }
-  RowSlice vocab_slice() const { return table_->slice(); }
+  RowSlice vocab_slice() const { return head().slice(); }
 
   // ---- one chunk at a time (pipeline/executor.hpp runs any schedule with these).
 
@@ -321,9 +356,10 @@ class TransformerCore {
   const pipeline::Placement& placement() const { return placement_; }
   bool holds_first(int chunk) const { return chunk == 0 && placement_.first(); }
   bool holds_last(int chunk) const { return chunk == placement_.chunks - 1 && placement_.last(); }
-  // Elements of the activation a chunk receives and sends: (Rl, C).
+  // Elements of the activation a chunk receives and sends for micro-batches of (batch,
+  // seq) tokens: (Rl, C), Rl this rank's rows (B·S, over cp and, with sp, over tp).
   std::int64_t activation_size(std::int64_t batch, std::int64_t seq) const {
-    return tp_.local_rows(batch * seq) * cfg_.dim;
+    return local_activation_size(batch, cp_.local(seq));
   }
   // Where chunk c's input goes for a micro-batch (a chunk not holding the embedding:
   // the previous virtual stage's output is received here).
@@ -333,10 +369,12 @@ class TransformerCore {
   }
   // The chunk's output (the next virtual stage's input) after forward_chunk.
   const T* output(const Stash& st) const {
-    return st.residual.data() + blocks_in(st.chunk) * activation_size(st.batch, st.seq);
+    return st.residual.data() + blocks_in(st.chunk) * local_activation_size(st.batch, st.seq);
   }
 
-  // Forward of one micro-batch through chunk c into st. The first virtual stage embeds
+  // Forward of one micro-batch through chunk c into st. Tokens and targets are (batch,
+  // seq), whole sequences; under context parallelism this rank takes its chunks of them
+  // (and its loss is the mean over its chunks' targets). The first virtual stage embeds
   // `tokens` (host); the others read input(st, ...). The last virtual stage returns the
   // mean loss over the B·S targets (host; Pass::train also leaves ∂loss/∂logits times
   // loss_scale in st), the others 0.
@@ -345,17 +383,24 @@ class TransformerCore {
     LLMPAR_CHECK(batch > 0, "batch size is ", batch, "; it must be positive");
     LLMPAR_CHECK(seq > 0 && seq <= cfg_.max_seq, "sequence length ", seq, " is outside [1, ", cfg_.max_seq,
                  "]; the model was built for at most --seq ", cfg_.max_seq);
-    tp_.check_sequence(seq);
+    cp_.check_sequence(seq);
+    tp_.check_sequence(cp_.local(seq));
+    if (holds_first(chunk)) check_ids(tokens, batch * seq, "token");
+    if (holds_last(chunk) && pass != Pass::logits) check_ids(targets, batch * seq, "target");
+    if (cp_.split()) {  // this rank's chunks of every sequence
+      tokens = take_chunks(cp_tokens_, tokens, batch, seq);
+      targets = take_chunks(cp_targets_, targets, batch, seq);
+    }
     prepare(st, chunk, batch, seq);
+    seq = st.seq;  // this rank's rows of each sequence from here on
     st.backward_ready = false;
     const std::int64_t rows = batch * seq, C = cfg_.dim, local = tp_.local_rows(rows);
     const bool full = recompute_ == recompute::Mode::full;
     if (holds_first(chunk)) {
-      check_ids(tokens, rows, "token");
       st.tokens.reserve(rows);
       Backend::upload(ctx, st.tokens.data(), tokens, rows);
       nn::before_forward(hooks_, embedding_unit_);
-      table_->forward(ctx, residual(st, 0), st.tokens.data(), batch, seq, kPositionTable ? positions_.value : nullptr);
+      table_->forward(ctx, residual(st, 0), st.tokens.data(), batch, seq, position_rows(ctx, seq));
       nn::after_forward(hooks_, embedding_unit_);
     }
     const std::int64_t first = chunk_first_[static_cast<std::size_t>(chunk)], n = blocks_in(chunk);
@@ -368,9 +413,9 @@ class TransformerCore {
     }
     if (!holds_last(chunk)) return Acc(0);
     st.norm_out.reserve(rows * C);
-    st.logits.reserve(rows * table_->slice().count);
+    st.logits.reserve(rows * head().slice().count);
     nn::before_forward(hooks_, norm_unit_);
-    nn::before_forward(hooks_, head_unit_);  // the LM head is the token table
+    nn::before_forward(hooks_, head_unit_);  // the LM head (the token table when tied)
     if (tp_.sequence_parallel()) {
       // The final norm on this rank's rows, then every row gathered for the LM head.
       st.norm_local.reserve(local * C);
@@ -382,16 +427,15 @@ class TransformerCore {
       norm_->forward(ctx, st.norm, st.norm_out.data(), residual(st, n), rows);
       scale_head_rows(ctx, st.norm_out.data(), rows);
     }
-    table_->head_forward(ctx, st.logits.data(), st.norm_out.data(), rows);
+    head().head_forward(ctx, st.logits.data(), st.norm_out.data(), rows);
     nn::after_forward(hooks_, norm_unit_);
     nn::after_forward(hooks_, head_unit_);
     if (pass == Pass::logits) return Acc(0);
-    check_ids(targets, rows, "target");
     targets_.reserve(rows);
     Backend::upload(ctx, targets_.data(), targets, rows);
     st.losses.reserve(rows);
-    table_->loss(ctx, st.losses.data(), st.logits.data(), targets_.data(), rows,
-                 pass == Pass::train ? std::optional<Acc>(loss_scale / static_cast<Acc>(rows)) : std::nullopt);
+    head().loss(ctx, st.losses.data(), st.logits.data(), targets_.data(), rows,
+                pass == Pass::train ? std::optional<Acc>(loss_scale / static_cast<Acc>(rows)) : std::nullopt);
     st.backward_ready = pass == Pass::train;
     return mean_loss(ctx, st.losses.data(), rows);
   }
@@ -412,12 +456,12 @@ class TransformerCore {
     dres_[1].reserve(local * C);
     const std::int64_t first = chunk_first_[static_cast<std::size_t>(chunk)], n = blocks_in(chunk);
     if (holds_last(chunk)) {
-      // LM head, tied to the token table: this rank's vocabulary columns, dnorm summed over
-      // the group.
+      // LM head (tied to the token table, or its own): this rank's vocabulary columns,
+      // dnorm summed over the group.
       scratch_.c0.reserve(rows * C);
       T* dnorm = scratch_.c0.data();  // (Rl, C)
       nn::before_backward(hooks_, head_unit_);
-      table_->head_backward(ctx, dnorm, st.logits.data(), st.norm_out.data(), rows);
+      head().head_backward(ctx, dnorm, st.logits.data(), st.norm_out.data(), rows);
       scale_head_rows(ctx, dnorm, local);  // ∂loss/∂norm_out = s ∂loss/∂(s norm_out)
       if (head_unit_ != embedding_unit_) nn::after_backward(hooks_, head_unit_);
       nn::before_backward(hooks_, norm_unit_);
@@ -463,7 +507,10 @@ class TransformerCore {
       dout = dx;
     }
     if (holds_first(chunk)) {
-      table_->backward(ctx, dout, st.tokens.data(), batch, seq, kPositionTable ? positions_.grad : nullptr);
+      // The embedding's unit is open already when it is also the head's (tied, one stage).
+      if (embedding_unit_ != head_unit_ || !holds_last(chunk)) nn::before_backward(hooks_, embedding_unit_);
+      table_->backward(ctx, dout, st.tokens.data(), batch, seq, position_grads(ctx, seq));
+      if (kPositionTable && cp_.split()) add_position_grads(ctx, seq);
       nn::after_backward(hooks_, embedding_unit_);
     }
   }
@@ -531,7 +578,7 @@ class TransformerCore {
         norm_->parameters(visit);
         break;
       case UnitKind::head:
-        table_->parameters(visit);
+        head().parameters(visit);
         break;
     }
   }
@@ -542,8 +589,11 @@ class TransformerCore {
   // over the embedding group, and it is counted once in the gradient norm); null
   // otherwise.
   const nn::Parameter<T>* tied_copy() const {
-    return placement_.last() && !placement_.first() ? &table_->weight() : nullptr;
+    return tied_ && placement_.last() && !placement_.first() ? &table_->weight() : nullptr;
   }
+  // Whether the LM head is the token table (whose copies on the first and last pipeline
+  // stage are summed over the embedding group), or a table of its own.
+  bool ties_head() const { return tied_; }
   // The token table when this rank holds one (the embedding or the head's copy).
   const nn::Parameter<T>* token_table() const { return table_ ? &table_->weight() : nullptr; }
 
@@ -563,6 +613,7 @@ class TransformerCore {
     std::size_t n = own_.bytes() + targets_.bytes() + dres_[0].bytes() + dres_[1].bytes() + scratch_.bytes() +
                     recompute_saved_.bytes() + recompute_out_.bytes() + host_losses_.bytes();
     if (table_) n += table_->activation_bytes();
+    if (head_) n += head_->activation_bytes();
     if constexpr (requires(const Block& b) { b.scratch_bytes(); })
       for (const auto& b : blocks_) n += b.scratch_bytes();
     return n;
@@ -614,7 +665,7 @@ class TransformerCore {
     for (std::size_t b = 0; b < blocks_.size(); ++b) add_unit({UnitKind::block, static_cast<std::int64_t>(b)});
     if (placement_.last()) {
       norm_unit_ = add_unit({UnitKind::norm});
-      head_unit_ = placement_.first() ? embedding_unit_ : add_unit({UnitKind::head});
+      head_unit_ = placement_.first() && tied_ ? embedding_unit_ : add_unit({UnitKind::head});
     }
     // The serial model's parameter count, from the shapes of unsplit layers (built
     // only to be counted: a layer allocates nothing until the store binds it).
@@ -626,7 +677,8 @@ class TransformerCore {
     serial_parameters_ =
         count(Embedding(Spec::kTokenTable, cfg_.vocab, cfg_.padded_vocab, cfg_.dim, cfg_.init_std, {})) +
         cfg_.layers * count(Block(std::string(Spec::kBlockPrefix) + "0", cfg_)) +
-        count(Spec::template final_norm<T, Backend>(cfg_)) + (kPositionTable ? cfg_.max_seq * cfg_.dim : 0);
+        count(Spec::template final_norm<T, Backend>(cfg_)) + (kPositionTable ? cfg_.max_seq * cfg_.dim : 0) +
+        (tied_ ? 0 : cfg_.padded_vocab * cfg_.dim);
   }
   int add_unit(Unit u) {
     units_.push_back(u);
@@ -641,12 +693,13 @@ class TransformerCore {
     LLMPAR_CHECK(placement_.whole(), what, "() runs the whole model, but this rank holds pipeline stage ",
                  placement_.rank, " of ", placement_.stages, "; run the pipeline's schedule (pipeline::Executor)");
   }
+  // st for a micro-batch of (batch, seq) tokens: its seq is this rank's rows of each.
   void prepare(Stash& st, int chunk, std::int64_t batch, std::int64_t seq) {
     LLMPAR_CHECK(chunk >= 0 && chunk < placement_.chunks, "chunk ", chunk, " is not one of this rank's ",
                  placement_.chunks);
     st.chunk = chunk;
     st.batch = batch;
-    st.seq = seq;
+    st.seq = cp_.local(seq);
     const std::int64_t n = blocks_in(chunk);
     st.residual.reserve((n + 1) * activation_size(batch, seq));
     if (recompute_ != recompute::Mode::full)
@@ -654,7 +707,71 @@ class TransformerCore {
     else
       st.blocks.clear();
   }
-  T* residual(Stash& st, std::int64_t i) { return st.residual.data() + i * activation_size(st.batch, st.seq); }
+  // The LM head's table: the untied head's, or the token table (last stage).
+  Embedding& head() { return tied_ ? *table_ : *head_; }
+  const Embedding& head() const { return tied_ ? *table_ : *head_; }
+  static bool ties_head_of(const Config& c) {
+    if constexpr (kHeadTable == nullptr)
+      return true;
+    else if constexpr (requires { c.tie_embeddings; })
+      return c.tie_embeddings;
+    else
+      return false;
+  }
+  T* residual(Stash& st, std::int64_t i) { return st.residual.data() + i * local_activation_size(st.batch, st.seq); }
+  // (Rl, C) of micro-batches of `batch` sequences of which this rank holds `seq` rows.
+  std::int64_t local_activation_size(std::int64_t batch, std::int64_t seq) const {
+    return tp_.local_rows(batch * seq) * cfg_.dim;
+  }
+  static nn::ContextParallelGroup context_parallel_of(comm::Grid<comm::Comm>& grid,
+                                                      const parallel::LayoutConfig& layout) {
+    LLMPAR_CHECK(layout.cp == grid.cp().size(), "the layout is cp ", layout.cp, " but the grid's cp group has ",
+                 grid.cp().size(), " ranks; build the Grid from the layout (.cp = layout.cp)");
+    return nn::ContextParallelGroup(&grid.cp());
+  }
+  // buffer (batch, seq / cp) = this rank's chunks of ids (batch, seq); returns it.
+  const std::int32_t* take_chunks(std::vector<std::int32_t>& buffer, const std::int32_t* ids, std::int64_t batch,
+                                  std::int64_t seq) const {
+    if (ids == nullptr) return nullptr;
+    buffer.resize(static_cast<std::size_t>(batch * cp_.local(seq)));
+    cp_.take_chunks(buffer.data(), ids, batch, seq);
+    return buffer.data();
+  }
+  // The position table's rows of this rank's `seq` rows per sequence: the table itself,
+  // or under context parallelism its rows at this rank's two chunks; null without one.
+  const T* position_rows(Context& ctx, std::int64_t seq) {
+    if constexpr (kPositionTable) {
+      if (!cp_.split()) return positions_.value;
+      const ChunkPositions at = cp_.positions(seq * cp_.size());
+      const std::int64_t C = cfg_.dim;
+      cp_positions_.reserve(seq * C);
+      Backend::copy(ctx, cp_positions_.data(), positions_.value + at.first * C, at.chunk * C);
+      Backend::copy(ctx, cp_positions_.data() + at.chunk * C, positions_.value + at.second * C, at.chunk * C);
+      return cp_positions_.data();
+    } else {
+      static_cast<void>(ctx), static_cast<void>(seq);
+      return nullptr;
+    }
+  }
+  // Where the embedding's backward adds the position rows' gradients: the table's, or
+  // under context parallelism a buffer of this rank's rows (add_position_grads adds them).
+  Acc* position_grads(Context& ctx, std::int64_t seq) {
+    if constexpr (kPositionTable) {
+      if (!cp_.split()) return positions_.grad;
+      cp_position_grads_.reserve(seq * cfg_.dim);
+      Backend::zero(ctx, cp_position_grads_.data(), seq * cfg_.dim);
+      return cp_position_grads_.data();
+    } else {
+      static_cast<void>(ctx), static_cast<void>(seq);
+      return nullptr;
+    }
+  }
+  void add_position_grads(Context& ctx, std::int64_t seq) {
+    const ChunkPositions at = cp_.positions(seq * cp_.size());
+    const std::int64_t C = cfg_.dim;
+    Backend::add_inplace(ctx, positions_.grad + at.first * C, cp_position_grads_.data(), at.chunk * C);
+    Backend::add_inplace(ctx, positions_.grad + at.second * C, cp_position_grads_.data() + at.chunk * C, at.chunk * C);
+  }
 
   void check_ids(const std::int32_t* ids, std::int64_t rows, const char* what) const {
     for (std::int64_t i = 0; i < rows; ++i)
@@ -673,10 +790,16 @@ class TransformerCore {
   }
 
   Config cfg_;
+  bool tied_;  // the LM head is the token table
   nn::TensorParallelGroup tp_;
+  nn::ContextParallelGroup cp_;
+  std::vector<std::int32_t> cp_tokens_, cp_targets_;  // (B, S / cp) this rank's chunks
+  Buffer<T, Space> cp_positions_;                     // (S / cp, C) the position rows of those chunks
+  Buffer<Acc, Space> cp_position_grads_;              // (S / cp, C) their gradients
   pipeline::Placement placement_;
   Acc output_multiplier_;                  // on the LM head's logits (µP: 1 / width multiplier)
-  std::optional<Embedding> table_;         // (Vp, C) split by rows; also the LM head (first or last stage)
+  std::optional<Embedding> table_;         // (Vp, C) split by rows; also a tied LM head (first or last stage)
+  std::optional<Embedding> head_;          // (Vp, C) an untied LM head (last stage)
   nn::Parameter<T> positions_;             // (max_seq, C) when Spec has a position table (first stage)
   std::vector<Block> blocks_;              // this rank's, chunk by chunk
   std::vector<std::int64_t> chunk_first_;  // chunk c holds blocks_[chunk_first_[c], chunk_first_[c+1])
@@ -700,9 +823,8 @@ class TransformerCore {
 // A model: the Transformer of Spec's blocks over storage type X and BackendArg, or of a
 // composed policy X (detail::ModelTypes), which it keeps as its Policy for the Trainer.
 template <class X, class BackendArg, class Spec>
-class Transformer
-    : public TransformerCore<typename detail::ModelTypes<X, BackendArg>::T,
-                             typename detail::ModelTypes<X, BackendArg>::Backend, Spec> {
+class Transformer : public TransformerCore<typename detail::ModelTypes<X, BackendArg>::T,
+                                           typename detail::ModelTypes<X, BackendArg>::Backend, Spec> {
  public:
   using Core = TransformerCore<typename detail::ModelTypes<X, BackendArg>::T,
                                typename detail::ModelTypes<X, BackendArg>::Backend, Spec>;

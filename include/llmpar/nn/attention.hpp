@@ -9,10 +9,18 @@
 // changes the attention keeps the MLP. It is an nn::Layer (nn/layer.hpp): a Saved per
 // micro-batch, forward, backward, parameters.
 //
+// Grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3): kv_heads < heads
+// key/value heads, each read by heads / kv_heads query heads (core/attention_shape.hpp
+// says which). The fused QKV weight is ((heads + 2 kv_heads) · hs, C): q of every head,
+// then k, then v. kv_heads == heads is multi-head attention (GPT-2, QKV (3C, C)).
+//
 // What it communicates. Under tensor parallelism (a TensorParallelGroup of tp ranks)
-// each rank holds heads / tp heads: the QKV weight (3C, C) is split by output features
-// with groups 3, so this rank's q, k and v channels sit next to each other as the
-// attention kernel reads them, and the output projection is split by input features.
+// each rank holds heads / tp query heads and kv_heads / tp kv heads (tp divides both):
+// the QKV weight is split by output features in heads / kv_heads + 2 equal blocks of
+// kv_heads heads (nn::Split's groups), so this rank's q, k and v channels sit next to
+// each other as the attention kernel reads them and its query heads read its own kv
+// heads; the output projection is split by input features, in the same heads / kv_heads
+// blocks, so that its columns are this rank's query heads.
 // forward receives this rank's rows of the (normalised) input and returns this rank's
 // rows of the output, summed over the group: one all-reduce ("g"), or with sequence
 // parallelism an all-gather of the input rows before the QKV projection and a
@@ -20,13 +28,13 @@
 // over the group the same way. Nothing else in the block needs to know.
 //
 // Positions. `Positions` is a type with
-//     void forward(Context&, T* qkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim);
-//     void backward(Context&, T* dqkv, std::int64_t batch, std::int64_t seq, std::int64_t local_dim);
-// forward changes q and k of qkv (B, S, 3·Cl; q in [0, Cl), k in [Cl, 2Cl) of a row) in
-// place after the projection, backward carries ∂q and ∂k back through that change in
-// place: rotary embeddings (examples/02_custom_attention) rotate by +θ and by -θ. The
-// default, NoPositions, leaves them alone (GPT-2 adds a learned table to the tokens
-// instead).
+//     void forward(Context&, T* qkv, const AttentionShape& local);
+//     void backward(Context&, T* dqkv, const AttentionShape& local);
+// forward changes q and k of qkv (B, S, R; `local` is this rank's heads, its q_col and
+// k_col say where they are) in place after the projection, backward carries ∂q and ∂k
+// back through that change in place: rotary embeddings (nn::Rotary in nn/rotary.hpp;
+// examples/02_custom_attention has a user's) rotate by +θ and by -θ. The default,
+// NoPositions, leaves them alone (GPT-2 adds a learned table to the tokens instead).
 //
 // Selective recomputation (Korthikanti et al. 2022): forward then keeps the attention
 // core's input (the projected qkv) but not its output and lse, which backward recomputes
@@ -37,14 +45,21 @@
 // layer owns. In backward dx may be the scratch's c0: it is written last.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "llmpar/backend/backend.hpp"
+#include "llmpar/core/attention_shape.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
+#include "llmpar/math/rotary.hpp"
+#include "llmpar/nn/context_parallel.hpp"
 #include "llmpar/nn/parameter.hpp"
 #include "llmpar/nn/scratch.hpp"
 #include "llmpar/nn/tensor_parallel.hpp"
@@ -54,24 +69,51 @@ namespace llmpar::nn {
 // The attention's sizes and initialisation (those of the whole layer; a tensor-parallel
 // rank holds heads / tp of the heads).
 struct AttentionConfig {
-  std::int64_t dim = 0;          // C: model width, the input and output channels
-  std::int64_t heads = 0;        // NH: C / NH channels per head
-  bool bias = true;              // biases on the QKV and output projections (GPT-2: yes, LLaMA: no)
-  float init_std = 0.02f;        // the QKV weight's normal init
-  float out_init_std = 0.02f;    // the output projection's (GPT-2 divides by sqrt(2 layers))
+  std::int64_t dim = 0;        // C: model width, the input and output channels
+  std::int64_t heads = 0;      // NH: C / NH channels per head
+  std::int64_t kv_heads = 0;   // key/value heads, dividing heads (0: heads, multi-head attention)
+  bool bias = true;            // biases on the QKV and output projections (GPT-2: yes, LLaMA: no)
+  float init_std = 0.02f;      // the QKV weight's normal init
+  float out_init_std = 0.02f;  // the output projection's (GPT-2 divides by sqrt(2 layers))
   void validate() const {
     LLMPAR_CHECK(heads > 0, "attention heads is ", heads, "; use at least 1 head");
     LLMPAR_CHECK(dim > 0 && dim % heads == 0, "attention dim ", dim, " is not divisible by heads ", heads,
                  "; choose dim as a multiple of heads");
+    LLMPAR_CHECK(kv_heads >= 0 && (kv_heads == 0 || heads % kv_heads == 0), "attention kv_heads ", kv_heads,
+                 " does not divide the heads ", heads,
+                 "; grouped-query attention shares each kv head between heads / kv_heads query heads: pick "
+                 "--kv-heads a divisor of --heads");
   }
+  std::int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  std::int64_t head_dim() const { return dim / heads; }
+  // Output features of the fused QKV projection: (heads + 2 kv_heads) · head_dim.
+  std::int64_t qkv_features() const { return (heads + 2 * kv()) * head_dim(); }
 };
 
 // No position information inside attention: the default Positions.
 struct NoPositions {
   template <class Context, class T>
-  void forward(Context&, T*, std::int64_t, std::int64_t, std::int64_t) const {}
+  void forward(Context&, T*, const AttentionShape&) const {}
   template <class Context, class T>
-  void backward(Context&, T*, std::int64_t, std::int64_t, std::int64_t) const {}
+  void backward(Context&, T*, const AttentionShape&) const {}
+};
+
+// Rotary position embeddings (math/rotary.hpp: the rotate-half layout, θ and Llama 3's
+// frequency scaling) as a Positions, on the backend's kernel: Llama's. Under context
+// parallelism a row's angle is its position in the whole sequence.
+template <class Backend>
+struct Rotary {
+  math::RopeConfig rope;
+  ContextParallelGroup cp{};
+  void set_context_parallel(ContextParallelGroup group) { cp = group; }
+  template <class T>
+  void forward(typename Backend::Context& ctx, T* qkv, const AttentionShape& local) const {
+    Backend::rotary(ctx, qkv, local, rope, false, cp.positions(local.seq * cp.size()));
+  }
+  template <class T>
+  void backward(typename Backend::Context& ctx, T* dqkv, const AttentionShape& local) const {
+    Backend::rotary(ctx, dqkv, local, rope, true, cp.positions(local.seq * cp.size()));
+  }
 };
 
 template <class T, class Backend = backend::Cpu, class Positions = NoPositions>
@@ -82,10 +124,11 @@ class SelfAttention {
   using Space = typename Backend::Space;
   using Scratch = BlockScratch<T, Space>;
 
-  // One micro-batch's activations (Cl = C / tp). att_out and lse stay empty under
-  // selective recomputation.
+  // One micro-batch's activations (Cl = C / tp, Rl = this rank's QKV features: 3Cl
+  // for multi-head attention). att_out and lse stay empty under selective
+  // recomputation.
   struct Saved {
-    Buffer<T, Space> qkv;      // (B, S, 3Cl) after Positions::forward
+    Buffer<T, Space> qkv;      // (B, S, Rl) after Positions::forward
     Buffer<T, Space> att_out;  // (B, S, Cl)
     Buffer<Acc, Space> lse;    // (B, NH/tp, S)
     std::size_t bytes() const { return qkv.bytes() + att_out.bytes() + lse.bytes(); }
@@ -96,7 +139,7 @@ class SelfAttention {
   // inputs Saved does not hold (gathered rows under sequence parallelism, the core's
   // output under selective recomputation).
   struct Deferred {
-    Buffer<T, Space> dy_proj, dy_qkv;  // (B·S, C), (B·S, 3Cl)
+    Buffer<T, Space> dy_proj, dy_qkv;  // (B·S, C), (B·S, Rl)
     Buffer<T, Space> x_proj, x_qkv;    // (B·S, Cl), (B·S, C) when not in Saved
     std::size_t bytes() const { return dy_proj.bytes() + dy_qkv.bytes() + x_proj.bytes() + x_qkv.bytes(); }
   };
@@ -108,13 +151,36 @@ class SelfAttention {
       : tp_(tp),
         dim_((cfg.validate(), cfg.dim)),
         heads_((tp.check_divides(cfg.heads, "heads"), cfg.heads / tp.size())),
+        kv_heads_((tp.check_divides(cfg.kv(), "kv heads"), cfg.kv() / tp.size())),
+        head_dim_(cfg.head_dim()),
         local_dim_(cfg.dim / tp.size()),
         positions_(std::move(positions)),
-        qkv_(qkv_name, cfg.dim, 3 * cfg.dim, cfg.bias, cfg.init_std, tp, 3),
-        proj_(proj_name, cfg.dim, cfg.dim, cfg.bias, cfg.out_init_std, tp) {}
+        qkv_(qkv_name, cfg.dim, cfg.qkv_features(), cfg.bias, cfg.init_std, tp,
+             static_cast<int>(cfg.heads / cfg.kv() + 2)),
+        proj_(proj_name, cfg.dim, cfg.dim, cfg.bias, cfg.out_init_std, tp, static_cast<int>(cfg.heads / cfg.kv())) {}
 
   void set_selective_recompute(bool on) { selective_ = on; }
   bool selective_recompute() const { return selective_; }
+
+  // Context parallelism over `cp`: this rank's rows are its two chunks of every
+  // sequence (nn/context_parallel.hpp), and the core is ring attention over the group.
+  // The Positions must follow the chunks (set_context_parallel), or place nothing.
+  void set_context_parallel(ContextParallelGroup cp) {
+    if (cp.split()) {
+      LLMPAR_CHECK(kRing, "context parallelism on the ", Backend::kName, " backend",
+                   std::is_same_v<T, double> ? " of a double model (communicators carry float, bf16 and f16)"
+                                             : " is not built yet (ring attention runs on backend::Cpu)",
+                   "; use --cp 1 there");
+      if constexpr (requires { positions_.set_context_parallel(cp); })
+        positions_.set_context_parallel(cp);
+      else
+        LLMPAR_CHECK((std::is_same_v<Positions, NoPositions>), "context parallelism (--cp ", cp.size(),
+                     "): this attention's Positions type places rows by their index in the rank's chunks; give it "
+                     "set_context_parallel(nn::ContextParallelGroup) and place each row at cp.positions(seq)'s "
+                     "position in the whole sequence (nn::Rotary does)");
+    }
+    cp_ = cp;
+  }
 
   // out = attention(x): x and out are this rank's rows of (B·S, C) (all of them, or
   // B·S/tp under sequence parallelism); out is summed over the group. out may not be x.
@@ -122,12 +188,12 @@ class SelfAttention {
     const std::int64_t rows = batch * seq, C = dim_;
     const bool sp = tp_.sequence_parallel();
     tp_.check_sequence(seq);
-    sv.qkv.reserve(rows * 3 * local_dim_);
+    sv.qkv.reserve(rows * qkv_width());
     if (sp) s.reserve_sequence_parallel(rows, C);
     tp_.template wait_for_kernels<Backend>(ctx);
     qkv_.forward(ctx, sv.qkv.data(), tp_.gather_rows(s.gathered.data(), x, rows, C), rows);
-    positions_.forward(ctx, sv.qkv.data(), batch, seq, local_dim_);
-    const T* att_out = core(ctx, sv, s, batch, seq);
+    positions_.forward(ctx, sv.qkv.data(), shape(batch, seq));
+    const T* att_out = cp_.split() ? ring_forward(ctx, sv, s, batch, seq) : core(ctx, sv, s, batch, seq);
     T* partial = sp ? s.partial.data() : out;
     proj_.forward_partial(ctx, partial, att_out, rows);
     tp_.reduce_rows(out, partial, rows, C);  // "g"
@@ -141,12 +207,14 @@ class SelfAttention {
   // gradients are left for backward_weights and their operands go into *defer.
   void backward(Context& ctx, Saved& sv, T* dx, const T* dout, const T* x, std::int64_t batch, std::int64_t seq,
                 Scratch& s, Deferred* defer = nullptr) {
-    const std::int64_t rows = batch * seq, C = dim_, Cl = local_dim_;
+    const std::int64_t rows = batch * seq, C = dim_, Cl = local_dim_, Rl = qkv_width();
     const bool sp = tp_.sequence_parallel();
     s.c0.reserve(rows * Cl);
-    s.qkv.reserve(rows * 3 * Cl);
+    s.qkv.reserve(rows * Rl);
     if (sp) s.reserve_sequence_parallel(rows, C);
-    const T* att_out = selective_ ? core(ctx, sv, s, batch, seq) : sv.att_out.data();
+    const T* att_out = !selective_   ? sv.att_out.data()
+                       : cp_.split() ? ring_forward(ctx, sv, s, batch, seq)
+                                     : core(ctx, sv, s, batch, seq);
     const Acc* lse = selective_ ? s.lse.data() : sv.lse.data();
     tp_.template wait_for_kernels<Backend>(ctx);
     // The row-parallel projection sees every row of dout ("g" backward).
@@ -158,14 +226,17 @@ class SelfAttention {
     } else {
       proj_.backward(ctx, s.c0.data(), dy, att_out, rows);
     }
-    Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, batch, seq, Cl, heads_);
-    positions_.backward(ctx, s.qkv.data(), batch, seq, Cl);
+    if (cp_.split())
+      ring_backward(ctx, s, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, batch, seq);
+    else
+      Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, shape(batch, seq));
+    positions_.backward(ctx, s.qkv.data(), shape(batch, seq));
     T* dx_partial = sp ? s.partial.data() : dx;
     const T* x_qkv = tp_.gather_rows(s.gathered.data(), x, rows, C);
     if (defer) {
       qkv_.linear().input_backward(ctx, dx_partial, s.qkv.data(), rows);
       tp_.template wait_for_kernels<Backend>(ctx);
-      keep_copy<Backend>(ctx, defer->dy_qkv, s.qkv.data(), rows * 3 * Cl);
+      keep_copy<Backend>(ctx, defer->dy_qkv, s.qkv.data(), rows * Rl);
       if (sp) keep_copy<Backend>(ctx, defer->x_qkv, x_qkv, rows * C);
     } else {
       qkv_.backward_partial(ctx, dx_partial, s.qkv.data(), x_qkv, rows);
@@ -196,12 +267,19 @@ class SelfAttention {
   RowParallelLinear<T, Backend>& proj() { return proj_; }
   Positions& positions() { return positions_; }
   std::int64_t local_heads() const { return heads_; }
+  std::int64_t local_kv_heads() const { return kv_heads_; }
   std::int64_t local_dim() const { return local_dim_; }
-  // Bytes of the scratch this layer owns (used alone; a block's sub-layers share its).
+  // This rank's heads of a (batch, seq) micro-batch, as the attention kernels take them.
+  AttentionShape shape(std::int64_t batch, std::int64_t seq) const {
+    return {batch, seq, heads_, kv_heads_, head_dim_};
+  }
+  // This rank's QKV features per row: (heads + 2 kv_heads) / tp · head_dim.
+  std::int64_t qkv_width() const { return (heads_ + 2 * kv_heads_) * head_dim_; }
+  // Bytes of the scratch this layer owns (used alone; a block's sub-layers share its),
+  // and of ring attention's buffers.
   std::size_t scratch_bytes() const { return own_scratch_.bytes(); }
 
  private:
-
   // The attention core on sv.qkv, into sv (kept) or the scratch (selective
   // recomputation); returns its output.
   const T* core(Context& ctx, Saved& sv, Scratch& s, std::int64_t batch, std::int64_t seq) {
@@ -210,17 +288,149 @@ class SelfAttention {
     Buffer<Acc, Space>& lse = selective_ ? s.lse : sv.lse;
     out.reserve(rows * local_dim_);
     lse.reserve(batch * heads_ * seq);
-    Backend::attention_forward(ctx, out.data(), lse.data(), sv.qkv.data(), batch, seq, local_dim_, heads_);
+    Backend::attention_forward(ctx, out.data(), lse.data(), sv.qkv.data(), shape(batch, seq));
     return out.data();
   }
 
+  // Ring attention (context parallelism): the backend has the block kernels, and the
+  // communicators carry T (float, bf16, f16: a double model runs without cp).
+  static constexpr bool kRing =
+      !std::is_same_v<T, double> && requires(Context & c, const AttentionState<Acc>& st, const T* p, Acc* a) {
+    Backend::attention_block_forward(c, st, p, p, AttentionShape{}, AttentionBlock{});
+    Backend::attention_block_backward(c, a, a, p, p, p, a, a, AttentionShape{}, AttentionBlock{});
+  };
+
+  // The blocks of ring step `step` (the K/V of cp rank (r - step) mod cp): each of this
+  // rank's two query chunks against each of that rank's two key chunks at or before it.
+  template <class F>
+  void for_each_block(int step, std::int64_t seq, F&& f) const {
+    const int cp = cp_.size(), src = (cp_.rank() - step + cp) % cp;
+    const std::int64_t c = seq / 2, KV = kv_heads_ * head_dim_;
+    for (int a = 0; a < 2; ++a)
+      for (int b = 0; b < 2; ++b) {
+        const int qa = cp_.chunk_of(a), kb = cp_.chunk_of(src, b);
+        if (kb > qa) continue;  // every key after every query: masked
+        f(AttentionBlock{.q_first = a * c,
+                         .kv_seq = seq,
+                         .kv_first = b * c,
+                         .len = c,
+                         .kv_stride = 2 * KV,
+                         .k_offset = 0,
+                         .v_offset = KV,
+                         .causal = kb == qa});
+      }
+  }
+  // kv (B·S, 2 KVl) = the k and v columns of this rank's qkv rows.
+  void pack_kv(T* kv, const T* qkv, std::int64_t rows) const {
+    const std::int64_t R = qkv_width(), Q = heads_ * head_dim_, KV = kv_heads_ * head_dim_;
+    for (std::int64_t r = 0; r < rows; ++r) std::copy(qkv + r * R + Q, qkv + r * R + Q + 2 * KV, kv + r * 2 * KV);
+  }
+  int next_rank() const { return (cp_.rank() + 1) % cp_.size(); }
+  int prev_rank() const { return (cp_.rank() - 1 + cp_.size()) % cp_.size(); }
+
+  // The attention core over the whole sequences, this rank's queries against every cp
+  // rank's keys: cp steps, each attending to the K/V block in hand while it passes to
+  // the next rank (and the previous rank's arrives). Into sv, or the scratch under
+  // selective recomputation, as core(); returns the output.
+  const T* ring_forward(Context& ctx, Saved& sv, Scratch& s, std::int64_t batch, std::int64_t seq) {
+    if constexpr (kRing) {
+      RingScratch<T, Space, Acc>& ring = s.ring;
+      const std::int64_t rows = batch * seq, KV = kv_heads_ * head_dim_;
+      const AttentionShape sh = shape(batch, seq);
+      Buffer<T, Space>& out = selective_ ? s.att_out : sv.att_out;
+      Buffer<Acc, Space>& lse = selective_ ? s.lse : sv.lse;
+      out.reserve(rows * local_dim_);
+      lse.reserve(batch * heads_ * seq);
+      for (auto& b : ring.kv) b.reserve(rows * 2 * KV);
+      ring.o.reserve(rows * heads_ * head_dim_);
+      ring.m.reserve(batch * heads_ * seq);
+      ring.l.reserve(batch * heads_ * seq);
+      const AttentionState<Acc> st{ring.o.data(), ring.m.data(), ring.l.data()};
+      Backend::attention_state_init(ctx, st, sh);
+      pack_kv(ring.kv[0].data(), sv.qkv.data(), rows);
+      comm::Comm& group = *cp_.communicator();
+      const auto n = static_cast<std::size_t>(rows * 2 * KV);
+      for (int step = 0; step < cp_.size(); ++step) {
+        T* here = ring.kv[step % 2].data();
+        T* next = ring.kv[(step + 1) % 2].data();
+        std::optional<comm::Comm::Request> passing;
+        if (step + 1 < cp_.size())
+          passing = group.p2p_async({group.send_op(std::span<const T>(here, n), next_rank()),
+                                     group.recv_op(std::span<T>(next, n), prev_rank())});
+        for_each_block(step, seq, [&](const AttentionBlock& blk) {
+          Backend::attention_block_forward(ctx, st, sv.qkv.data(), here, sh, blk);
+        });
+        if (passing) passing->wait();
+      }
+      Backend::attention_state_finish(ctx, out.data(), lse.data(), st, sh);
+      return out.data();
+    } else {
+      static_cast<void>(ctx), static_cast<void>(sv), static_cast<void>(s), static_cast<void>(batch),
+          static_cast<void>(seq);
+      LLMPAR_FAIL("ring attention needs the backend's block kernels");
+    }
+  }
+
+  // dqkv (B·S, Rl) from dout (B·S, Cl) of the core: each K/V block travels the ring
+  // again, now with its dK/dV, which every rank adds to as it passes and which arrives
+  // home after the last step; dq stays.
+  void ring_backward(Context& ctx, Scratch& s, T* dqkv, const T* dout, const T* qkv, const T* out, const Acc* lse,
+                     std::int64_t batch, std::int64_t seq) {
+    if constexpr (kRing) {
+      RingScratch<T, Space, Acc>& ring = s.ring;
+      const std::int64_t rows = batch * seq, Q = heads_ * head_dim_, KV = kv_heads_ * head_dim_, R = qkv_width();
+      const AttentionShape sh = shape(batch, seq);
+      for (auto& b : ring.kv) b.reserve(rows * 2 * KV);
+      for (auto& b : ring.dkv) b.reserve(rows * 2 * KV);
+      ring.dq.reserve(rows * Q);
+      ring.dsum.reserve(batch * heads_ * seq);
+      Backend::attention_dsum(ctx, ring.dsum.data(), dout, out, sh);
+      std::fill(ring.dq.data(), ring.dq.data() + rows * Q, Acc(0));
+      std::fill(ring.dkv[0].data(), ring.dkv[0].data() + rows * 2 * KV, Acc(0));
+      pack_kv(ring.kv[0].data(), qkv, rows);
+      comm::Comm& group = *cp_.communicator();
+      const auto n = static_cast<std::size_t>(rows * 2 * KV);
+      int home = 0;  // which dkv buffer holds this rank's own block at the end
+      for (int step = 0; step < cp_.size(); ++step) {
+        const int here = step % 2, there = (step + 1) % 2;
+        std::optional<comm::Comm::Request> keys;
+        if (step + 1 < cp_.size())  // the keys and values move on while this block's gradients are computed
+          keys = group.p2p_async({group.send_op(std::span<const T>(ring.kv[here].data(), n), next_rank()),
+                                  group.recv_op(std::span<T>(ring.kv[there].data(), n), prev_rank())});
+        for_each_block(step, seq, [&](const AttentionBlock& blk) {
+          Backend::attention_block_backward(ctx, ring.dq.data(), ring.dkv[here].data(), dout, qkv, ring.kv[here].data(),
+                                            lse, ring.dsum.data(), sh, blk);
+        });
+        if (keys) keys->wait();
+        // The block's gradients follow it (after the last step: home to their owner).
+        group.p2p({group.send_op(std::span<const Acc>(ring.dkv[here].data(), n), next_rank()),
+                   group.recv_op(std::span<Acc>(ring.dkv[there].data(), n), prev_rank())});
+        home = there;
+      }
+      const Acc* dq = ring.dq.data();
+      const Acc* dkv = ring.dkv[home].data();
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t c = 0; c < Q; ++c) dqkv[r * R + c] = convert<T>(dq[r * Q + c]);
+        for (std::int64_t c = 0; c < 2 * KV; ++c) dqkv[r * R + Q + c] = convert<T>(dkv[r * 2 * KV + c]);
+      }
+    } else {
+      static_cast<void>(ctx), static_cast<void>(s), static_cast<void>(dqkv), static_cast<void>(dout),
+          static_cast<void>(qkv), static_cast<void>(out), static_cast<void>(lse), static_cast<void>(batch),
+          static_cast<void>(seq);
+      LLMPAR_FAIL("ring attention needs the backend's block kernels");
+    }
+  }
+
   TensorParallelGroup tp_;
+  ContextParallelGroup cp_;
   std::int64_t dim_;
-  std::int64_t heads_;      // this rank's heads: NH / tp
+  std::int64_t heads_;      // this rank's query heads: NH / tp
+  std::int64_t kv_heads_;   // this rank's kv heads: KVH / tp
+  std::int64_t head_dim_;   // hs = C / NH
   std::int64_t local_dim_;  // this rank's channels: C / tp
   bool selective_ = false;
   Positions positions_;
-  ColumnParallelLinear<T, Backend> qkv_;  // (3C, C): q, k, v of this rank's heads
+  ColumnParallelLinear<T, Backend> qkv_;  // ((NH + 2 KVH) hs, C): q, k, v of this rank's heads
   RowParallelLinear<T, Backend> proj_;    // (C, C)
   Scratch own_scratch_;                   // used alone
 };

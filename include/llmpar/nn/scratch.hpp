@@ -12,7 +12,9 @@
 //     activations not fused into the GEMMs);
 //   - a block: c0, c1 (∂ of the residual stream between its parts);
 //   - sequence parallelism: gathered (every row of the region) and partial (partial
-//     sums before a reduce-scatter).
+//     sums before a reduce-scatter);
+//   - context parallelism: ring, ring attention's K/V blocks, their gradients and the
+//     queries' running state (nn::SelfAttention).
 // A layer reserves what it uses at the start of each call; a caller that holds
 // pointers into the scratch across a call reserves (and so allocates) first.
 #pragma once
@@ -25,6 +27,20 @@
 
 namespace llmpar::nn {
 
+// Ring attention's buffers (context parallelism): the K/V block in hand and the one
+// arriving (rows, 2 KV/tp), their gradients in Acc, the queries' flash state (o, m, l),
+// dq and D = dout · out.
+template <class T, class Space, class Acc = acc_t<T>>
+struct RingScratch {
+  Buffer<T, Space> kv[2];
+  Buffer<Acc, Space> dkv[2];
+  Buffer<Acc, Space> o, m, l, dq, dsum;
+  std::size_t bytes() const {
+    return kv[0].bytes() + kv[1].bytes() + dkv[0].bytes() + dkv[1].bytes() + o.bytes() + m.bytes() + l.bytes() +
+           dq.bytes() + dsum.bytes();
+  }
+};
+
 template <class T, class Space, class Acc = acc_t<T>>
 struct BlockScratch {
   Buffer<T, Space> att_out;            // (rows, C/tp) selective recomputation only
@@ -34,6 +50,7 @@ struct BlockScratch {
   Buffer<T, Space> qkv;                // (rows, 3C/tp)
   Buffer<T, Space> c0, c1;             // (rows, C)
   Buffer<T, Space> gathered, partial;  // (rows, C) sequence parallelism only
+  RingScratch<T, Space, Acc> ring;     // context parallelism only
   // A GPT-2-sized block's needs at once: the 4C-wide MLP, 3C-wide QKV and two (rows, C).
   void reserve(std::int64_t rows, std::int64_t dim, bool sequence_parallel = false) {
     wide0.reserve(rows * 4 * dim);
@@ -47,8 +64,8 @@ struct BlockScratch {
     partial.reserve(rows * dim);
   }
   std::size_t bytes() const {
-    return wide0.bytes() + wide1.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() +
-           partial.bytes() + att_out.bytes() + lse.bytes();
+    return wide0.bytes() + wide1.bytes() + qkv.bytes() + c0.bytes() + c1.bytes() + gathered.bytes() + partial.bytes() +
+           att_out.bytes() + lse.bytes() + ring.bytes();
   }
 };
 

@@ -235,11 +235,15 @@ class RowParallelLinear {
  public:
   using Context = typename Backend::Context;
 
+  // groups: the input features come in `groups` equal blocks, each split over the group
+  // (the column-parallel layer before it split its outputs so: grouped-query attention's
+  // query heads, nn::SelfAttention).
   RowParallelLinear(const std::string& name, std::int64_t in_features, std::int64_t out_features, bool has_bias,
-                    float init_std, TensorParallelGroup tp)
-      : tp_((tp.check_divides(in_features, (name + " input features").c_str()),
+                    float init_std, TensorParallelGroup tp, int groups = 1)
+      : tp_((tp.check_divides(in_features / groups,
+                              (name + (groups > 1 ? " input features per group" : " input features")).c_str()),
              tp.check_reaches<typename Backend::Space>(name), tp)),
-        linear_(name, in_features, out_features, has_bias, init_std, tp.along(1), Split{}) {}
+        linear_(name, in_features, out_features, has_bias, init_std, tp.along(1, groups), Split{}) {}
 
   // This rank's partial y (rows, out) = x_local · W_localᵀ (+ b on rank 0), not yet
   // summed over the group (the model sums it with TensorParallelGroup::reduce_rows).

@@ -46,21 +46,27 @@
 
 namespace llmpar::parallel {
 
-// The groups a training step communicates over: the replicas of this model (dp), every
-// rank (the global norm and the overflow verdict), the pipeline's two channels
-// (activations on pp, gradients on pp_grad) and the embedding group (the first and last
-// pipeline stage: the tied token table's gradient). Null: this rank alone.
+// The groups a training step communicates over: the replicas of this model that read
+// other data (dp), every rank (the global norm and the overflow verdict), the pipeline's
+// two channels (activations on pp, gradients on pp_grad), the embedding group (the first
+// and last pipeline stage: the tied token table's gradient), and under context
+// parallelism dp_cp, the ranks that hold the same parameters (dp x cp: the gradients
+// are averaged, and ZeRO shards, over it). Null: this rank alone.
 struct Groups {
   comm::Comm* dp = nullptr;
   comm::Comm* world = nullptr;
   comm::Comm* pp = nullptr;
   comm::Comm* pp_grad = nullptr;
   comm::Comm* embedding = nullptr;
+  comm::Comm* dp_cp = nullptr;  // set when the grid's cp > 1
 
   template <class Grid>
   static Groups of(Grid& grid) {
-    return {&grid.dp(), &grid.world(), &grid.pp(), &grid.pp_grad(), &grid.embedding()};
+    return {&grid.dp(),      &grid.world(),     &grid.pp(),
+            &grid.pp_grad(), &grid.embedding(), grid.cp().size() > 1 ? &grid.dp_cp() : nullptr};
   }
+  // The ranks whose gradients are averaged: dp, or dp x cp.
+  comm::Comm* replicas() const { return dp_cp ? dp_cp : dp; }
 };
 
 // Bytes per rank, from the allocations.
@@ -93,11 +99,20 @@ class GradSync final : public nn::UnitHooks {
         buffer_(model, model.tensor_parallel(), dp_ ? dp_->size() : 1, dp_ ? dp_->rank() : 0, cfg.bucket_bytes),
         reducer_(ctx, buffer_, dp_, thread_, cfg),
         gatherer_(ctx, buffer_, dp_, thread_, cfg),
-        finalizer_(ctx, model, buffer_, model.tensor_parallel(), single(groups.world), single(groups.embedding),
-                   thread_) {
+        finalizer_(ctx, model, buffer_, model.tensor_parallel(), single(groups.world),
+                   ties_head(model) ? single(groups.embedding) : nullptr, thread_) {
     model.set_unit_hooks(this);
   }
   ~GradSync() override { model_.set_unit_hooks(nullptr); }
+  // Whether the model's LM head is its token table (then the first and last pipeline
+  // stage each hold it, and its gradient is summed between them), as it is unless the
+  // model says otherwise (models::Transformer::ties_head).
+  static bool ties_head(const Model& m) {
+    if constexpr (requires { m.ties_head(); })
+      return m.ties_head();
+    else
+      return true;
+  }
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
 
@@ -196,7 +211,7 @@ class GradSync final : public nn::UnitHooks {
   // The dp group (null for one replica), once the groups fit the model and the backend.
   static comm::Comm* checked_dp(Model& model, const Groups& groups, const DataConfig& cfg) {
     cfg.validate();
-    comm::Comm* dp = single(groups.dp);
+    comm::Comm* dp = single(groups.replicas());
     const nn::TensorParallelGroup tp = model.tensor_parallel();
     LLMPAR_CHECK(!tp.split() || single(groups.world) != nullptr, "the model is split over ", tp.size(),
                  " tensor-parallel ranks, but the data-parallel strategy was given no world group; pass "

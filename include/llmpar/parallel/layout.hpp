@@ -65,6 +65,7 @@ inline constexpr std::string_view kScheduleNames[] = {"gpipe", "1f1b", "interlea
 struct LayoutConfig {
   int tp = 1;                      // tensor-parallel degree
   bool sp = false;                 // sequence parallelism over the tp group
+  int cp = 1;                      // context-parallel degree: each sequence over cp ranks
   int pp = 1;                      // pipeline stages
   int dp = 1;                      // data-parallel replicas (fit_world sets it from the ranks)
   std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved (with virtual_stages), zb
@@ -77,26 +78,32 @@ struct LayoutConfig {
   std::int64_t grad_accum = 1;   // micro-batches per optimizer step
   DataConfig data{};             // gradient buckets and their overlap with backward
 
-  int world() const { return tp * pp * dp; }
+  int world() const { return tp * cp * pp * dp; }
+  // The ranks holding the same parameters, over which gradients are averaged and ZeRO
+  // shards: dp x cp.
+  int replicas() const { return dp * cp; }
   // Sequences per optimizer step over every dp rank.
   std::int64_t global_batch() const { return micro_batch * dp * grad_accum; }
 
-  // The degrees of a run on `world` ranks: dp = world / (tp · pp), once tp and pp are
+  // The degrees of a run on `world` ranks: dp = world / (tp · cp · pp), once they are
   // checked to divide it.
   LayoutConfig& fit_world(int world) {
     LLMPAR_CHECK(tp >= 1 && world % tp == 0, "--tp ", tp, " does not divide the ", world,
                  " ranks; use a tp that divides the number of ranks (--ranks, or mpirun -np)");
-    LLMPAR_CHECK(pp >= 1 && world % (tp * pp) == 0, "--tp ", tp, " x --pp ", pp, " does not divide the ", world,
+    LLMPAR_CHECK(cp >= 1 && world % (tp * cp) == 0, "--tp ", tp, " x --cp ", cp, " does not divide the ", world,
                  " ranks; use degrees whose product divides the number of ranks (--ranks, or mpirun -np)");
-    dp = world / (tp * pp);
+    LLMPAR_CHECK(pp >= 1 && world % (tp * cp * pp) == 0, "--tp ", tp, cp > 1 ? " x --cp " + std::to_string(cp) : "",
+                 " x --pp ", pp, " does not divide the ", world,
+                 " ranks; use degrees whose product divides the number of ranks (--ranks, or mpirun -np)");
+    dp = world / (tp * cp * pp);
     return *this;
   }
 
   // Every rule of the layout alone (what the model adds — heads, layers, sequence length
   // divisible by the degrees — is checked where the model is built).
   void validate() const {
-    LLMPAR_CHECK(tp >= 1 && pp >= 1 && dp >= 1, "the layout's degrees are tp ", tp, ", pp ", pp, ", dp ", dp,
-                 "; each must be at least 1");
+    LLMPAR_CHECK(tp >= 1 && cp >= 1 && pp >= 1 && dp >= 1, "the layout's degrees are tp ", tp, ", cp ", cp, ", pp ", pp,
+                 ", dp ", dp, "; each must be at least 1");
     LLMPAR_CHECK(!sp || tp > 1, "--sp splits the sequence over the tensor-parallel group; use it with --tp 2 or more");
     bool known = false;
     for (std::string_view name : kScheduleNames) known = known || schedule == name;

@@ -1,5 +1,6 @@
-// llmpar/plan/cost.hpp — the planner's cost model: for a GPT-2 config, a layout and a
-// cluster, the bytes each rank holds and the time a training step takes.
+// llmpar/plan/cost.hpp — the planner's cost model: for a model (GPT-2 or Llama, as a
+// plan::ModelShape), a layout and a cluster, the bytes each rank holds and the time a
+// training step takes.
 //
 // Why it is built this way:
 //  - Memory is predicted from the same allocations the trainer makes and reports
@@ -9,7 +10,8 @@
 //    unit under ZeRO 3), so the ZeRO shards, the padding and the largest bucket (which
 //    sizes ZeRO 2/3's pooled buffers) come out as GradSync computes them. Activations
 //    follow what each block's Saved, the model's Stash and its shared backward scratch
-//    reserve (models/gpt2.hpp, models/transformer.hpp), with the executor holding one
+//    reserve (models/prenorm_block.hpp, nn/attention.hpp, nn/mlp.hpp,
+//    models/transformer.hpp), with the executor holding one
 //    Stash per micro-batch in flight: that count comes from pipeline::simulate of the
 //    schedule the run would use (pipeline/schedule.hpp), not from a formula per
 //    schedule. Estimator tables that guess activations (the DeepSpeed estimator's
@@ -23,7 +25,7 @@
 //    spans (comm::bus_factor: the same definition the collective benchmarks report)
 //    plus a latency per ring step. The pipeline's bubble is pipeline::simulate's
 //    makespan over the slowest stage's action costs.
-//  - Ranks are placed as comm::Grid places them: tp adjacent, then dp, then pp. A
+//  - Ranks are placed as comm::Grid places them: tp adjacent, then cp, dp, pp. A
 //    group of ranks that fits in a node uses the node's link.
 //  - Every estimate is per rank of the most loaded pipeline stage (the first holds the
 //    embedding, the last the LM head and its logits): the rank that runs out of memory
@@ -43,6 +45,7 @@
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/models/gpt2.hpp"
+#include "llmpar/models/llama.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/parallel/layout.hpp"
 #include "llmpar/pipeline/partition.hpp"
@@ -92,22 +95,85 @@ struct Estimate {
   std::string why;  // when it does not fit
 };
 
+// What the cost model needs of a model: the pre-norm Transformer's sizes, whichever
+// Spec built it. GPT-2 and Llama convert to it (implicitly: every function below takes
+// either config).
+struct ModelShape {
+  std::int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0;
+  std::int64_t hidden = 0;         // the MLP's hidden units (GPT-2 4C, Llama ffn_dim)
+  int projections = 1;             // the MLP's up projections: 1 (GELU), 2 (gated: SwiGLU)
+  bool biases = true;              // on the linear layers (GPT-2 yes, Llama no)
+  int norm_tensors = 2;            // a norm's parameters, C each: LayerNorm 2, RMSNorm 1
+  int norm_stats = 2;              // what a norm keeps per row: LayerNorm's mean and rstd, RMSNorm's rstd
+  std::int64_t position_rows = 0;  // a learned position table's rows (GPT-2's max_seq; Llama none)
+  std::int64_t padded_vocab = 0;
+  bool tied = true;                                                                  // the LM head is the token table
+  std::int64_t parameters = 0;                                                       // the serial model's
+  std::int64_t block_parameters = 0, embedding_parameters = 0, head_parameters = 0;  // for the partition
+
+  ModelShape(const models::GPT2Config& c)  // NOLINT(google-explicit-constructor): a view of either config
+      : layers(c.layers),
+        dim(c.dim),
+        heads(c.heads),
+        kv_heads(c.heads),
+        hidden(4 * c.dim),
+        position_rows(c.max_seq),
+        padded_vocab(c.padded_vocab),
+        parameters(c.num_parameters()),
+        block_parameters(c.block_parameters()),
+        embedding_parameters(c.embedding_parameters()),
+        head_parameters(c.head_parameters()) {}
+  ModelShape(const models::LlamaConfig& c)  // NOLINT(google-explicit-constructor)
+      : layers(c.layers),
+        dim(c.dim),
+        heads(c.heads),
+        kv_heads(c.kv_heads),
+        hidden(c.ffn_dim),
+        projections(2),
+        biases(false),
+        norm_tensors(1),
+        norm_stats(1),
+        padded_vocab(c.padded_vocab),
+        tied(c.tie_embeddings),
+        parameters(c.num_parameters()),
+        block_parameters(c.block_parameters()),
+        embedding_parameters(c.embedding_parameters()),
+        head_parameters(c.head_parameters()) {}
+
+  std::int64_t head_dim() const { return dim / heads; }
+  // The fused QKV projection's outputs: (heads + 2 kv_heads) · head_dim.
+  std::int64_t qkv_features() const { return (heads + 2 * kv_heads) * head_dim(); }
+  // The serial model's parameters at sequence length seq (a position table grows to it).
+  double parameters_at(std::int64_t seq) const {
+    return static_cast<double>(parameters) +
+           (position_rows > 0 ? static_cast<double>(std::max<std::int64_t>(0, seq - position_rows) * dim) : 0.0);
+  }
+  // The pipeline partition the layout's --partition rule gives.
+  pipeline::Partition partition(const LayoutConfig& l) const {
+    return l.partition_of(std::vector<std::int64_t>(static_cast<std::size_t>(layers), block_parameters),
+                          embedding_parameters, head_parameters);
+  }
+};
+
 namespace detail {
 
 using llmpar::detail::concat;
 
 inline double round_to(double n, double to) { return std::ceil(n / to) * to; }
 
-// What the workload is, per micro-batch, for one rank.
+// What the workload is, per micro-batch, for one rank: S its rows of each sequence
+// (seq / cp), Ql the QKV features, Hl the MLP's hidden units, P its up projections, on
+// this tp rank; KVl its kv heads' channels (ring attention's blocks).
 struct Shapes {
-  double B, S, R, Rl, C, Cl, NHl, Vl, t, acc = 4.0;
-  int tp;
+  double B, S, R, Rl, C, Cl, NHl, Vl, Ql, Hl, P, KVl, stats, t, acc = 4.0;
+  int tp, cp;
 };
 
-inline Shapes shapes_of(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l) {
+inline Shapes shapes_of(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l) {
   Shapes s{};
   s.B = static_cast<double>(l.micro_batch);
-  s.S = static_cast<double>(seq);
+  s.S = static_cast<double>(seq) / l.cp;
+  s.cp = l.cp;
   s.R = s.B * s.S;
   s.tp = l.tp;
   s.Rl = l.sp ? s.R / l.tp : s.R;
@@ -115,26 +181,48 @@ inline Shapes shapes_of(const models::GPT2Config& cfg, std::int64_t seq, const L
   s.Cl = s.C / l.tp;
   s.NHl = static_cast<double>(cfg.heads) / l.tp;
   s.Vl = static_cast<double>(cfg.padded_vocab) / l.tp;
+  s.Ql = static_cast<double>(cfg.qkv_features()) / l.tp;
+  s.Hl = static_cast<double>(cfg.hidden) / l.tp;
+  s.KVl = static_cast<double>(cfg.kv_heads * cfg.head_dim()) / l.tp;
+  s.P = cfg.projections;
+  s.stats = cfg.norm_stats;
   s.t = static_cast<double>(size_of(l.precision));
   return s;
 }
 
-// A block's parameters on one tp rank, as the store binds them.
-inline std::vector<double> block_parameters(double C, int tp) {
-  return {C, C, 3 * C / tp * C, 3 * C / tp, C * C / tp, C, C, C, 4 * C / tp * C, 4 * C / tp, 4 * C / tp * C, C};
+// A block's parameters on one tp rank, as the store binds them: two norms, the QKV and
+// output projections, the MLP's up and down projections (each with its bias, if any).
+inline std::vector<double> block_parameters(const ModelShape& cfg, int tp) {
+  const double C = static_cast<double>(cfg.dim), Q = static_cast<double>(cfg.qkv_features()) / tp;
+  const double up = cfg.projections * static_cast<double>(cfg.hidden) / tp, H = static_cast<double>(cfg.hidden) / tp;
+  std::vector<double> p;
+  auto norm = [&] { p.insert(p.end(), static_cast<std::size_t>(cfg.norm_tensors), C); };
+  auto linear = [&](double out, double in, double bias) {
+    p.push_back(out * in);
+    if (cfg.biases) p.push_back(bias);
+  };
+  norm();
+  linear(Q, C, Q);
+  linear(C, C / tp, C);
+  norm();
+  linear(up, C, up);
+  linear(C, H, C);
+  return p;
 }
 
-// The bytes one block's Saved holds for a micro-batch (models/gpt2.hpp reserve/attention).
+// The bytes one block's Saved holds for a micro-batch (models/prenorm_block.hpp,
+// nn/attention.hpp, nn/mlp.hpp): the norms' statistics, the block's three (Rl, C)
+// rows, qkv, the MLP's up projection and activation, the attention core's output and lse.
 inline double block_saved_bytes(const Shapes& s, bool selective) {
-  const double norms = 2 * 2 * s.Rl * s.acc;
-  const double kept = (3 * s.Rl * s.C + s.R * 3 * s.Cl + 2 * s.R * 4 * s.Cl) * s.t;
+  const double norms = 2 * s.stats * s.Rl * s.acc;
+  const double kept = (3 * s.Rl * s.C + s.R * s.Ql + s.R * s.P * s.Hl + s.R * s.Hl) * s.t;
   const double attention = selective ? 0.0 : s.R * s.Cl * s.t + s.B * s.NHl * s.S * s.acc;
   return norms + kept + attention;
 }
 
 // The zero-bubble schedule's deferred weight-gradient operands of one block.
 inline double block_deferred_bytes(const Shapes& s, bool sp, bool selective) {
-  double n = 2 * s.R * s.C + s.R * 4 * s.Cl + s.R * 3 * s.Cl;
+  double n = 2 * s.R * s.C + s.R * s.P * s.Hl + s.R * s.Ql;
   if (sp) n += 2 * s.R * s.C;
   if (selective) n += s.R * s.Cl;
   return n * s.t;
@@ -151,18 +239,20 @@ inline double collective_seconds(comm::Collective c, double bytes, int ranks, co
 
 // The pipeline rank's units' parameter counts (forward order: embedding, blocks, final
 // norm, the head's copy of the token table), each a list of this tp rank's tensors.
-inline std::vector<std::vector<double>> unit_parameters(const models::GPT2Config& cfg, const LayoutConfig& l,
-                                                        int stage) {
+inline std::vector<std::vector<double>> unit_parameters(const ModelShape& cfg, const LayoutConfig& l, int stage) {
   const pipeline::Placement pl{
-      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
+      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = cfg.partition(l)};
   const double C = static_cast<double>(cfg.dim), table = static_cast<double>(cfg.padded_vocab) / l.tp * C;
   std::vector<std::vector<double>> units;
-  if (pl.first()) units.push_back({table, static_cast<double>(cfg.max_seq) * C});
+  if (pl.first()) {
+    units.push_back({table});
+    if (cfg.position_rows > 0) units.back().push_back(static_cast<double>(cfg.position_rows) * C);
+  }
   for (int c = 0; c < pl.chunks; ++c)
-    for (std::int64_t b = pl.begin(c); b < pl.end(c); ++b) units.push_back(detail::block_parameters(C, l.tp));
+    for (std::int64_t b = pl.begin(c); b < pl.end(c); ++b) units.push_back(detail::block_parameters(cfg, l.tp));
   if (pl.last()) {
-    units.push_back({C, C});
-    if (!pl.first()) units.push_back({table});
+    units.push_back(std::vector<double>(static_cast<std::size_t>(cfg.norm_tensors), C));
+    if (!pl.first() || !cfg.tied) units.push_back({table});  // the head: the table's copy, or its own
   }
   return units;
 }
@@ -187,9 +277,9 @@ inline Buckets bucket_layout(const std::vector<std::vector<double>>& units, cons
       b.parameters += n;
     }
     if (l.zero == 3 || u == 0 || offset - begin >= bucket_elements) {
-      const double size = detail::round_to(std::max(offset - begin, 1.0), align * l.dp);
+      const double size = detail::round_to(std::max(offset - begin, 1.0), align * l.replicas());
       b.largest = std::max(b.largest, size);
-      b.shard += size / l.dp;
+      b.shard += size / l.replicas();
       offset = begin + size;
       begin = offset;
       ++b.count;
@@ -208,10 +298,10 @@ inline pipeline::Report schedule_report(const LayoutConfig& l, pipeline::Cost co
 }
 
 // One pipeline rank's bytes.
-inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, int stage,
-                           int in_flight, const Cluster& cluster) {
+inline Memory stage_memory(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l, int stage, int in_flight,
+                           const Cluster& cluster) {
   const pipeline::Placement pl{
-      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
+      .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = cfg.partition(l)};
   const detail::Shapes s = detail::shapes_of(cfg, seq, l);
   const Buckets b = bucket_layout(unit_parameters(cfg, l, stage), l);
   const double t = s.t, g = 4.0;
@@ -219,7 +309,7 @@ inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, cons
   Memory m;
   m.parameters = (l.zero < 3 ? b.size : b.shard) * t;
   m.gradients = (l.zero < 2 ? b.size : b.shard) * g;
-  const double state = l.zero == 0 ? b.parameters : b.parameters / l.dp;
+  const double state = l.zero == 0 ? b.parameters : b.parameters / l.replicas();
   m.optimizer = state * 4.0 * (l.precision == DType::f32 ? 2.0 : 3.0);
 
   // Stashes: one per micro-batch in flight, each grown to the largest chunk it served.
@@ -231,14 +321,20 @@ inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, cons
   if (l.pp > 1 && l.schedule == "zb") stash += n * detail::block_deferred_bytes(s, l.sp, selective);
   if (pl.first()) stash += s.R * 4.0;  // token ids
   if (pl.last())
-    stash += 2 * s.Rl * s.acc + s.R * s.C * t + (l.sp ? s.Rl * s.C * t : 0.0) + s.R * s.Vl * t + s.R * s.acc;
+    stash += s.stats * s.Rl * s.acc + s.R * s.C * t + (l.sp ? s.Rl * s.C * t : 0.0) + s.R * s.Vl * t + s.R * s.acc;
   m.activations = in_flight * stash + 2 * s.Rl * s.C * t;        // the stashes, the residual gradients
   if (pl.last()) m.activations += 2 * s.R * 4.0;                 // targets, the host's losses
   if (l.pp > 1 && !pl.first()) m.activations += s.Rl * s.C * t;  // the gradient sent back
-  // The blocks' shared backward scratch (wide0, qkv, c0, c1 at the full width; gathered
-  // and partial rows under sequence parallelism; the attention core under selective
-  // recomputation), full recomputation's block, the loss's softmax stats.
-  m.workspace = (4 + 3 + 2) * s.R * s.C * t;
+  // The blocks' shared backward scratch (wide0 and qkv at least GPT-2's 4C and 3C, c0,
+  // c1; a gated MLP's wide1; gathered and partial rows under sequence parallelism; the
+  // attention core under selective recomputation), full recomputation's block, the
+  // loss's softmax stats.
+  m.workspace = (std::max(4 * s.C, s.P * s.Hl) + std::max(3 * s.C, s.Ql) + 2 * s.C) * s.R * t;
+  if (s.P > 1) m.workspace += s.R * s.Hl * t;
+  // Ring attention (cp > 1): two K/V blocks and their gradients, the queries' state (o,
+  // m, l), dq and D.
+  if (s.cp > 1)
+    m.workspace += s.R * 2 * s.KVl * (2 * t + 2 * s.acc) + 2 * s.R * s.Cl * s.acc + 3 * s.B * s.NHl * s.S * s.acc;
   if (l.sp) m.workspace += 2 * s.R * s.C * t;
   if (selective) m.workspace += s.R * s.Cl * t + s.B * s.NHl * s.S * s.acc;
   if (full) m.workspace += detail::block_saved_bytes(s, false) + s.Rl * s.C * t;
@@ -248,25 +344,26 @@ inline Memory stage_memory(const models::GPT2Config& cfg, std::int64_t seq, cons
   // thread ranks (ZeRO 2: three gradient buckets, one filling and two reducing; ZeRO 3,
   // whose buckets are single units: two gradient and two value buckets, in use and
   // prefetched), plus the staging of one block of a reduce-scatter.
-  if (l.zero == 2) m.communication += 3 * b.largest * g + b.largest / l.dp * g;
-  if (l.zero == 3) m.communication += 2 * b.largest * g + b.largest / l.dp * g + 2 * b.largest * t;
+  if (l.zero == 2) m.communication += 3 * b.largest * g + b.largest / l.replicas() * g;
+  if (l.zero == 3) m.communication += 2 * b.largest * g + b.largest / l.replicas() * g + 2 * b.largest * t;
   if (l.sp) {
-    const double norms = static_cast<double>(pl.last() ? 1 : 0) * 2 * s.C + n * l.virtual_stages * 4 * s.C;
-    m.communication += (l.zero == 0 ? norms : norms / l.dp) * g;
+    const double per_norm = static_cast<double>(cfg.norm_tensors) * s.C;
+    const double norms = static_cast<double>(pl.last() ? 1 : 0) * per_norm + n * l.virtual_stages * 2 * per_norm;
+    m.communication += (l.zero == 0 ? norms : norms / l.replicas()) * g;
   }
   m.reserved = cluster.reserved_bytes;
   return m;
 }
 
 // The memory of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
-inline Memory rank_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, int stage,
+inline Memory rank_memory(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l, int stage,
                           const Cluster& cluster) {
   const pipeline::Report r = schedule_report(l);
   return stage_memory(cfg, seq, l, stage, r.ranks[static_cast<std::size_t>(stage)].max_in_flight, cluster);
 }
 
 // The memory of the rank that holds the most, and which pipeline rank that is.
-inline std::pair<Memory, int> peak_memory(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l,
+inline std::pair<Memory, int> peak_memory(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l,
                                           const Cluster& cluster) {
   const pipeline::Report r = schedule_report(l);
   Memory best;
@@ -282,7 +379,7 @@ inline std::pair<Memory, int> peak_memory(const models::GPT2Config& cfg, std::in
 }
 
 // The link a group of `size` ranks spaced `stride` apart uses (ranks are numbered tp
-// fastest, then dp, then pp, as comm::Grid numbers them).
+// fastest, then cp, dp, pp, as comm::Grid numbers them).
 inline const Link& group_link(const Cluster& c, int size, int stride) {
   return static_cast<std::int64_t>(size) * stride <= c.devices_per_node || size == 1 ? c.intra : c.inter;
 }
@@ -294,7 +391,7 @@ inline double ranks_sharing(const LayoutConfig& l, const Cluster& c) {
 }
 
 // The step time of a layout.
-inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
+inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
   const detail::Shapes s = detail::shapes_of(cfg, seq, l);
   const double share = ranks_sharing(l, c);
   Gemm gemm = c.gemm(l.precision);
@@ -304,17 +401,19 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   const double elementwise_rate = kernels.elementwise / share, attention_rate = kernels.attention / share;
   const bool selective = l.recompute == recompute::Mode::selective, full = l.recompute == recompute::Mode::full;
   const Link& tp_link = group_link(c, l.tp, 1);
-  const Link& dp_link = group_link(c, l.dp, l.tp);
-  const Link& pp_link = group_link(c, l.pp > 1 ? 2 : 1, l.tp * l.dp);
+  const Link& dp_link = group_link(c, l.replicas(), l.tp);
+  const Link& pp_link = group_link(c, l.pp > 1 ? 2 : 1, l.tp * l.cp * l.dp);
 
   // One block, one micro-batch: the four linear layers' GEMMs (backward: the input and
   // the weight gradient), attention (QKᵀ and PV, causal: half the square), and the
   // memory-bound rest (norms, GELU, residual adds, softmax: about the Saved bytes
   // written once and read back twice forward, three times backward).
   auto linear = [&](double in, double out) { return gemm.seconds(s.R, out, in); };
-  const double gemms = linear(s.C, 3 * s.Cl) + linear(s.Cl, s.C) + linear(s.C, 4 * s.Cl) + linear(4 * s.Cl, s.C);
-  const double head_dim = s.C / static_cast<double>(cfg.heads);
-  const double attention_flops = 2.0 * s.B * s.NHl * s.S * s.S * head_dim;  // 4·B·NH·S²·d, half of it causal
+  const double gemms = linear(s.C, s.Ql) + linear(s.Cl, s.C) + linear(s.C, s.P * s.Hl) + linear(s.Hl, s.C);
+  const double head_dim = static_cast<double>(cfg.head_dim());
+  // 4·B·NH·S·T·d over the whole sequence T = cp·S, half of it causal: each cp rank's
+  // share of the (load-balanced) causal square.
+  const double attention_flops = 2.0 * s.B * s.NHl * s.S * s.S * s.cp * head_dim;
   const double attention = attention_flops / attention_rate;
   const double elementwise = detail::block_saved_bytes(s, false) / elementwise_rate;
   // Tensor parallelism per block and micro-batch: two all-reduces of (B·S, C) each way;
@@ -326,12 +425,22 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   const double reduce = detail::collective_seconds(comm::Collective::all_reduce, tp_bytes, l.tp, tp_link);
   const double tp_forward = l.sp ? 2 * gather + 2 * scatter : 2 * reduce;
   const double tp_backward = l.sp ? 4 * gather + 2 * scatter : 2 * reduce;
+  // Ring attention: cp - 1 K/V blocks on, forward and backward (hidden under the block
+  // compute when it is the longer), and cp dK/dV blocks in f32 back, after the compute.
+  const Link& cp_link = group_link(c, l.cp, l.tp);
+  const double kv_bytes = s.R * 2 * s.KVl * s.t;
+  const double ring_step = l.cp > 1 ? kv_bytes / cp_link.busbw + cp_link.latency : 0.0;
+  const double ring_attention = l.cp > 1 ? attention / l.cp : 0.0;  // one step's blocks
+  const double cp_forward = (l.cp - 1) * std::max(0.0, ring_step - ring_attention);
+  const double cp_backward =
+      cp_forward + l.cp * (l.cp > 1 ? kv_bytes / s.t * s.acc / cp_link.busbw + cp_link.latency : 0.0);
   // Fixed costs per call: a block's forward makes about 6 kernel calls and 4 GEMMs, its
   // backward about 10 and 8 (what makes many small micro-batches slower than few large).
   const double calls_forward = 6 * c.kernel_overhead + 4 * c.gemm_overhead;
   const double calls_backward = 10 * c.kernel_overhead + 8 * c.gemm_overhead;
-  const double block_forward = gemms + attention + 3 * elementwise + tp_forward + calls_forward;
-  const double block_backward = 2 * gemms + 2.5 * attention + 3 * elementwise + tp_backward + calls_backward +
+  const double block_forward = gemms + attention + 3 * elementwise + tp_forward + cp_forward + calls_forward;
+  const double block_backward = 2 * gemms + 2.5 * attention + 3 * elementwise + tp_backward + cp_backward +
+                                calls_backward +
                                 (full        ? block_forward
                                  : selective ? attention
                                              : 0.0);
@@ -340,7 +449,7 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   double worst_forward = 0.0, worst_backward = 0.0, worst_weight = 0.0, worst_tp = 0.0;
   for (int stage = 0; stage < l.pp; ++stage) {
     const pipeline::Placement pl{
-        .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = models::partition_of(cfg, l)};
+        .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = cfg.partition(l)};
     double blocks = 0;
     for (int ch = 0; ch < pl.chunks; ++ch) blocks += static_cast<double>(pl.end(ch) - pl.begin(ch));
     double forward = blocks * block_forward, backward = blocks * block_backward;
@@ -404,38 +513,37 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
   const Buckets b = bucket_layout(unit_parameters(cfg, l, l.pp - 1), l);
   const double grad_bytes = b.size * 4.0, value_bytes = b.size * s.t;
   double dp = 0.0;
-  if (l.zero == 0) dp = detail::collective_seconds(comm::Collective::all_reduce, grad_bytes, l.dp, dp_link);
+  if (l.zero == 0) dp = detail::collective_seconds(comm::Collective::all_reduce, grad_bytes, l.replicas(), dp_link);
   if (l.zero >= 1) {
     const double reductions = l.zero >= 2 ? m : 1.0;
-    dp = reductions * detail::collective_seconds(comm::Collective::reduce_scatter, grad_bytes, l.dp, dp_link);
+    dp = reductions * detail::collective_seconds(comm::Collective::reduce_scatter, grad_bytes, l.replicas(), dp_link);
     if (l.zero < 3)
-      dp += detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.dp, dp_link);
+      dp += detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.replicas(), dp_link);
     else
-      dp += 2 * m * detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.dp, dp_link);
+      dp += 2 * m * detail::collective_seconds(comm::Collective::all_gather, value_bytes, l.replicas(), dp_link);
   }
   const double last_bucket = b.count > 0 ? dp / b.count : 0.0;
-  time.data_comm = l.dp > 1 ? last_bucket + (1.0 - c.overlap) * (dp - last_bucket) : 0.0;
+  time.data_comm = l.replicas() > 1 ? last_bucket + (1.0 - c.overlap) * (dp - last_bucket) : 0.0;
   // Each collective of the communication thread also costs the compute its overhead.
   const double buckets = static_cast<double>(b.count);
   const double collectives = l.zero == 0   ? buckets
                              : l.zero == 1 ? 2 * buckets
                              : l.zero == 2 ? (m + 1) * buckets
                                            : 3 * m * buckets;
-  if (l.dp > 1) time.data_comm += collectives * c.collective_overhead;
-  if (l.pp > 1)  // the tied token table's gradient, summed over the first and last stage
-    time.data_comm +=
-        detail::collective_seconds(comm::Collective::all_reduce, s.Vl * s.C * 4.0, 2, group_link(c, 2, l.tp * l.dp));
+  if (l.replicas() > 1) time.data_comm += collectives * c.collective_overhead;
+  if (l.pp > 1 && cfg.tied)  // the tied token table's gradient, summed over the first and last stage
+    time.data_comm += detail::collective_seconds(comm::Collective::all_reduce, s.Vl * s.C * 4.0, 2,
+                                                 group_link(c, 2, l.tp * l.cp * l.dp));
 
   // The gradient norm reads every gradient; AdamW reads gradients, values and both
   // moments and writes the three back (and the master copy of 16-bit values).
-  const double state = l.zero == 0 ? b.parameters : b.parameters / l.dp;
+  const double state = l.zero == 0 ? b.parameters : b.parameters / l.replicas();
   time.optimizer =
       (b.size * 4.0 + state * (4.0 + 2 * 12.0 + (l.precision == DType::f32 ? 0.0 : 8.0 + s.t))) / bandwidth;
   time.step = time.compute + time.bubble + time.data_comm + time.optimizer;
 
-  models::GPT2Config model = cfg;
-  model.max_seq = std::max(cfg.max_seq, seq);
-  const double flops_per_token = train::flops_per_token(model.num_parameters(), cfg.layers, cfg.dim, seq);
+  const double flops_per_token =
+      train::flops_per_token(static_cast<std::int64_t>(cfg.parameters_at(seq)), cfg.layers, cfg.dim, seq);
   const double tokens = static_cast<double>(l.global_batch() * seq);
   const double peak = c.gemm(l.precision).peak_flops * (c.shared_node ? 1.0 : static_cast<double>(l.world()));
   time.mfu = flops_per_token * tokens / (time.step * peak);
@@ -443,7 +551,7 @@ inline Time step_time(const models::GPT2Config& cfg, std::int64_t seq, const Lay
 }
 
 // Memory and time of a layout on a cluster, and whether it fits.
-inline Estimate estimate(const models::GPT2Config& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
+inline Estimate estimate(const ModelShape& cfg, std::int64_t seq, const LayoutConfig& l, const Cluster& c) {
   Estimate e;
   std::tie(e.memory, e.memory_stage) = peak_memory(cfg, seq, l, c);
   e.time = step_time(cfg, seq, l, c);

@@ -180,6 +180,7 @@ class Trainer {
         train_(train),
         cfg_(cfg),
         replicas_(sync_.dp()),
+        data_(groups.dp && groups.dp->size() > 1 ? groups.dp : nullptr),
         pipeline_(groups.pp && groups.pp->size() > 1 ? groups.pp : nullptr) {
     schedule.validate();
     if (cfg.spike_guard.enabled) {
@@ -188,10 +189,10 @@ class Trainer {
     }
     check_layout(cfg.layout, model, train);
     model.set_recompute(recompute_mode(cfg));
-    if (replicas_) {
-      LLMPAR_CHECK(train.config().world == replicas_->size() && train.config().rank == replicas_->rank(),
+    if (data_) {
+      LLMPAR_CHECK(train.config().world == data_->size() && train.config().rank == data_->rank(),
                    "the training loader reads as rank ", train.config().rank, " of ", train.config().world,
-                   " but the data-parallel group is rank ", replicas_->rank(), " of ", replicas_->size(),
+                   " but the data-parallel group is rank ", data_->rank(), " of ", data_->size(),
                    "; build its LoaderConfig with the dp group's rank and size");
     }
     // The loader draws global batches of every micro-batch of every dp rank of a step.
@@ -253,8 +254,7 @@ class Trainer {
     s.skipped_total = scaler_.skipped_steps();
     s.comm_ms = 1e3 * sync_.exposed_communication_seconds();
     s.bubble_ms = 1e3 * executor_.idle_seconds();
-    const double tokens =
-        static_cast<double>(batch * seq * cfg_.layout.grad_accum * (replicas_ ? replicas_->size() : 1));
+    const double tokens = static_cast<double>(batch * seq * cfg_.layout.grad_accum * (data_ ? data_->size() : 1));
     s.tokens_per_s = tokens / seconds;
     if (cfg_.peak_gflops > 0.0) {
       const auto& mc = model_.config();
@@ -283,7 +283,9 @@ class Trainer {
     read_micro_batches(loader, batches);
     const double sum = pipeline_sum(executor_.evaluate(ctx_, micro_, lc.batch_size, lc.seq_len));
     const double mean = sum / static_cast<double>(batches);
-    return replicas_ && loader.config().world == replicas_->size() ? average(mean) : mean;
+    // Every dp rank read its own batches, every cp rank its chunks of them: the mean of
+    // all is the loss of all the batches (a loader of one rank's batches on each: its own).
+    return replicas_ && loader.config().world == (data_ ? data_->size() : 1) ? average(mean) : mean;
   }
 
   // Runs the remaining steps, calling on_step after each.
@@ -384,7 +386,8 @@ class Trainer {
             {"pp", pl.stages},
             {"virtual_stages", pl.chunks},
             {"partition", pl.partition.describe()},
-            {"dp", sync_.dp_size()},
+            {"cp", sync_.dp_size() / (data_ ? data_->size() : 1)},
+            {"dp", data_ ? data_->size() : 1},
             {"zero", Policy::kZeroStage},
             {"precision", Precision::kName},
             {"grad_accum", cfg_.layout.grad_accum}};
@@ -522,7 +525,8 @@ class Trainer {
   void check_layout(const parallel::LayoutConfig& l, const Model& model, const data::DataLoader& train) const {
     const nn::TensorParallelGroup tp = model.tensor_parallel();
     const auto& pl = model.placement();
-    const int dp = replicas_ ? replicas_->size() : 1;
+    const int dp = data_ ? data_->size() : 1;
+    const int cp = (replicas_ ? replicas_->size() : 1) / dp;
     LLMPAR_CHECK(l.zero == Policy::kZeroStage, "the layout's ZeRO stage is ", l.zero, " but the policy's is ",
                  Policy::data::kName, "; set LayoutConfig::zero to ", Policy::kZeroStage,
                  " (parallel::layout_of<Policy>() starts from the policy)");
@@ -540,6 +544,8 @@ class Trainer {
                  " chunks; build its pipeline::Placement from the layout");
     LLMPAR_CHECK(l.dp == dp, "the layout is dp ", l.dp, " but the data-parallel group has ", dp,
                  " ranks; set LayoutConfig::dp (LayoutConfig::fit_world does, from the ranks)");
+    LLMPAR_CHECK(l.cp == cp, "the layout is cp ", l.cp, " but the grid's context-parallel group has ", cp,
+                 " ranks; build the Grid and the model from the layout (.cp = layout.cp)");
     LLMPAR_CHECK(l.micro_batch == train.config().batch_size, "the layout's micro-batch is ", l.micro_batch,
                  " sequences but the loader reads ", train.config().batch_size,
                  "; give LoaderConfig::batch_size the layout's micro_batch");
@@ -585,7 +591,8 @@ class Trainer {
   optim::CosineSchedule schedule_;
   data::DataLoader& train_;
   TrainerConfig cfg_;
-  comm::Comm* replicas_;
+  comm::Comm* replicas_;                        // the ranks whose gradients are averaged (dp, or dp x cp)
+  comm::Comm* data_;                            // the ranks that read other batches (dp)
   comm::Comm* pipeline_;                        // the pp group when there are 2 stages or more
   std::vector<std::int32_t> tokens_, targets_;  // this step's micro-batches (host)
   std::vector<pipeline::MicroBatch> micro_;

@@ -2,9 +2,11 @@
 //
 //   out[b,t,h] = sum_{s<=t} softmax_s(q_t . k_s / sqrt(hs)) v_s      (per head h)
 //
-// Layout is GPT-2's (llm.c): qkv (B, T, 3C) straight from one fused linear, with
-// q = [0, C), k = [C, 2C), v = [2C, 3C) and head h at columns [h*hs, (h+1)*hs) of
-// each; out (B, T, C) with the same head layout. Nothing of size T x T is ever stored:
+// Layout (core/attention_shape.hpp): qkv (B, T, R) straight from one fused linear, per
+// row the q of NH heads, the k of KVH heads and their v, head h at columns
+// [h*hs, (h+1)*hs) of each part; out (B, T, NH*hs) with q's head layout. GPT-2's is
+// KVH = NH (R = 3C, llm.c's layout); grouped-query attention is KVH < NH, query head
+// h reading kv head h % KVH. Nothing of size T x T is ever stored:
 //
 // Forward (FlashAttention, Dao et al. 2022). Queries are cut into tiles of kTile rows;
 // for each query tile the key/value tiles at or before it are visited in order and
@@ -16,15 +18,16 @@
 //
 // Backward (FlashAttention-2). With D_t = dout_t . out_t, for each key tile (outer)
 // and the query rows at or after it (inner): p = exp(s - lse), dv += p dout,
-// dp = dout . v, ds = p (dp - D), dq += ds k scale, dk += ds q scale. One (b, h)
-// head is one task: its thread owns the head's dq, dk and dv, so nothing races and
-// nothing needs atomics; dq is summed over key tiles in tile order.
+// dp = dout . v, ds = p (dp - D), dq += ds k scale, dk += ds q scale. One (b, kv head)
+// is one task: its thread runs the kv head's query heads one after another and owns
+// their dq and the kv head's dk and dv, so nothing races and nothing needs atomics; dq is
+// summed over key tiles in tile order, dk and dv over the group's heads in head order.
 //
 // Determinism: tiles are fixed by kTile, never by the thread count, and each output
 // element is produced by one thread in one fixed order, so results are bitwise
 // identical for any OMP_NUM_THREADS.
 //
-// Speed. A head's q/k/v rows sit 3C apart in qkv, so each tile is first packed into a
+// Speed. A head's q/k/v rows sit R apart in qkv, so each tile is first packed into a
 // contiguous acc_t<T> block (which also converts bf16/f16 once); the key and value
 // tiles that rows are dotted with (q.k, dout.v) are packed transposed, (hs, kTile).
 // All inner work is then two register-blocked row kernels that GCC vectorises:
@@ -43,9 +46,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/config.hpp"
+#include "llmpar/core/attention_shape.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/math/exp.hpp"
@@ -165,24 +170,19 @@ inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, 
   }
 }
 
-inline void check_shape(const char* who, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t NH) {
-  LLMPAR_CHECK(B >= 0 && T >= 0, who, ": B = ", B, ", T = ", T, "; both must be >= 0");
-  LLMPAR_CHECK(C >= 1 && NH >= 1, who, ": C = ", C, ", NH = ", NH, "; both must be >= 1");
-  LLMPAR_CHECK(C % NH == 0, who, ": the number of heads NH = ", NH, " does not divide the channels C = ", C,
-               "; pick C a multiple of NH (head size C / NH)");
-}
-
-// One query tile [i0, i0 + ni) of head h of batch b. scratch: 4 * kTile * hs + kTile.
+// One query tile [i0, i0 + ni) of query head h of batch b. scratch: 4 * kTile * hs + kTile.
 template <int kHs, class T>
 void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, std::int64_t b,
-                  std::int64_t h, std::int64_t i0, std::int64_t T_len, std::int64_t C, std::int64_t NH,
-                  acc_t<T>* LLMPAR_RESTRICT scratch) {
+                  std::int64_t h, std::int64_t i0, const AttentionShape& shape, acc_t<T>* LLMPAR_RESTRICT scratch) {
   using Acc = acc_t<T>;
-  const std::int64_t hs = kHs > 0 ? kHs : C / NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t hs = kHs > 0 ? kHs : shape.head_dim;
+  const std::int64_t T_len = shape.seq, R = shape.row(), g = shape.kv_head_of(h);
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
   const std::int64_t ni = std::min(kTile, T_len - i0);
-  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;  // (T, 3C), head column offset
+  const T* LLMPAR_RESTRICT rows = qkv + b * T_len * R;  // (T, R) of batch b
+  const T* LLMPAR_RESTRICT qh = rows + shape.q_col(h);  // this head's q columns
+  const T* LLMPAR_RESTRICT kh = rows + shape.k_col(g);  // its kv head's k columns
+  const T* LLMPAR_RESTRICT vh = rows + shape.v_col(g);  // and v columns
 
   Acc* LLMPAR_RESTRICT q = scratch;          // (ni, hs)
   Acc* LLMPAR_RESTRICT o = q + kTile * hs;   // (ni, hs) unnormalised output
@@ -191,12 +191,12 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
   Acc* LLMPAR_RESTRICT s = v + kTile * hs;   // (kTile) scores, then weights, of one row
   math::OnlineSoftmax<Acc> state[kTile];     // (ni)
 
-  pack_rows(q, head + i0 * C3, ni, hs, C3);
+  pack_rows(q, qh + i0 * R, ni, hs, R);
   std::fill(o, o + ni * hs, Acc(0));
   for (std::int64_t j0 = 0; j0 <= i0; j0 += kTile) {
     const std::int64_t nj = std::min(kTile, T_len - j0);
-    pack_transposed(kt, head + j0 * C3 + C, nj, hs, C3);
-    pack_rows(v, head + j0 * C3 + 2 * C, nj, hs, C3);
+    pack_transposed(kt, kh + j0 * R, nj, hs, R);
+    pack_rows(v, vh + j0 * R, nj, hs, R);
     for (std::int64_t r = 0; r < ni; ++r) {
       const std::int64_t n = std::min(nj, i0 + r - j0 + 1);  // causal: keys j0 .. i0 + r
       dot_cols<kHs>(s, q + r * hs, kt, n, hs, scale);
@@ -226,19 +226,19 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
     Acc* LLMPAR_RESTRICT orow = o + r * hs;
 #pragma omp simd
     for (std::int64_t d = 0; d < hs; ++d) orow[d] *= inv;
-    lse[(b * NH + h) * T_len + i0 + r] = state[r].log_sum_exp();
+    lse[(b * shape.heads + h) * T_len + i0 + r] = state[r].log_sum_exp();
   }
-  unpack_rows(out + (b * T_len + i0) * C + h * hs, o, ni, hs, C);
+  unpack_rows(out + (b * T_len + i0) * shape.q_dim() + h * hs, o, ni, hs, shape.q_dim());
 }
 
 template <int kHs, class T>
-void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+void forward(T* out, acc_t<T>* lse, const T* qkv, const AttentionShape& shape) {
   using Acc = acc_t<T>;
-  const std::int64_t hs = C / NH;
+  const std::int64_t hs = shape.head_dim, T_len = shape.seq, BH = shape.batch * shape.heads;
   const std::int64_t tiles = ceil_div(T_len, kTile);
-  const std::int64_t tasks = B * NH * tiles;
+  const std::int64_t tasks = BH * tiles;
   const std::int64_t per_thread = 4 * kTile * hs + kTile;
-  const bool parallel = tasks > 1 && B * NH * T_len * T_len / 2 * hs >= kMinParallelWork;
+  const bool parallel = tasks > 1 && BH * T_len * T_len / 2 * hs >= kMinParallelWork;
   const int threads = parallel ? omp_get_max_threads() : 1;
   Buffer<Acc> scratch(threads * per_thread);
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -247,33 +247,34 @@ void forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T
     // Tiles far down the sequence see the most keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
-      const std::int64_t tile = tiles - 1 - task / (B * NH);
-      const std::int64_t bh = task % (B * NH);
-      forward_tile<kHs>(out, lse, qkv, bh / NH, bh % NH, tile * kTile, T_len, C, NH, mine);
+      const std::int64_t tile = tiles - 1 - task / BH;
+      const std::int64_t bh = task % BH;
+      forward_tile<kHs>(out, lse, qkv, bh / shape.heads, bh % shape.heads, tile * kTile, shape, mine);
     }
   }
 }
 
-// One head (b, h). scratch: backward_scratch(T, hs).
+// One kv head g of batch b, and the group() query heads that read it (h = g, g + KVH,
+// ...), in that order. scratch: backward_scratch(T, hs).
 template <int kHs, class T>
-void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
-                   const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b, std::int64_t h,
-                   std::int64_t T_len, std::int64_t C, std::int64_t NH, acc_t<T>* LLMPAR_RESTRICT scratch) {
+void backward_kv_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const T* LLMPAR_RESTRICT qkv,
+                      const T* LLMPAR_RESTRICT out, const acc_t<T>* LLMPAR_RESTRICT lse, std::int64_t b, std::int64_t g,
+                      const AttentionShape& shape, acc_t<T>* LLMPAR_RESTRICT scratch) {
   using Acc = acc_t<T>;
-  const std::int64_t hs = kHs > 0 ? kHs : C / NH;
-  const std::int64_t C3 = 3 * C;
+  const std::int64_t hs = kHs > 0 ? kHs : shape.head_dim;
+  const std::int64_t T_len = shape.seq, R = shape.row(), Q = shape.q_dim();
   const Acc scale = Acc(1) / std::sqrt(static_cast<Acc>(hs));
-  const T* LLMPAR_RESTRICT head = qkv + b * T_len * C3 + h * hs;     // (T, 3C), head column offset
-  T* LLMPAR_RESTRICT dhead = dqkv + b * T_len * C3 + h * hs;         // (T, 3C), head column offset
-  const std::int64_t row0 = b * T_len * C + h * hs;                  // head offset in (B, T, C)
-  const Acc* LLMPAR_RESTRICT lse_head = lse + (b * NH + h) * T_len;  // (T)
+  const T* LLMPAR_RESTRICT rows = qkv + b * T_len * R;  // (T, R) of batch b
+  T* LLMPAR_RESTRICT drows = dqkv + b * T_len * R;      // (T, R)
+  const T* LLMPAR_RESTRICT kh = rows + shape.k_col(g);  // (T, hs) at stride R
+  const T* LLMPAR_RESTRICT vh = rows + shape.v_col(g);
 
-  Acc* LLMPAR_RESTRICT q = scratch;               // (T, hs)
+  Acc* LLMPAR_RESTRICT q = scratch;               // (T, hs) of the query head in hand
   Acc* LLMPAR_RESTRICT k = q + T_len * hs;        // (T, hs)
-  Acc* LLMPAR_RESTRICT g = k + T_len * hs;        // (T, hs) dout of this head
-  Acc* LLMPAR_RESTRICT dq = g + T_len * hs;       // (T, hs)
-  Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;      // (T, hs)
-  Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;      // (T, hs)
+  Acc* LLMPAR_RESTRICT go = k + T_len * hs;       // (T, hs) dout of the query head
+  Acc* LLMPAR_RESTRICT dq = go + T_len * hs;      // (T, hs)
+  Acc* LLMPAR_RESTRICT dk = dq + T_len * hs;      // (T, hs) summed over the group
+  Acc* LLMPAR_RESTRICT dv = dk + T_len * hs;      // (T, hs) summed over the group
   Acc* LLMPAR_RESTRICT D = dv + T_len * hs;       // (T) dout_t . out_t
   Acc* LLMPAR_RESTRICT o = D + T_len;             // (hs) one row of out
   Acc* LLMPAR_RESTRICT kt = o + hs;               // (hs, kTile) key tile, transposed
@@ -283,56 +284,61 @@ void backward_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, const
   Acc* LLMPAR_RESTRICT p = dst + kTile * kTile;   // (kTile) p of one row
   Acc* LLMPAR_RESTRICT dp = p + kTile;            // (kTile) dp, then ds * scale, of one row
 
-  pack_rows(q, head, T_len, hs, C3);
-  pack_rows(k, head + C, T_len, hs, C3);
-  pack_rows(g, dout + row0, T_len, hs, C);
-  for (std::int64_t t = 0; t < T_len; ++t) {
-    pack_rows(o, out + row0 + t * C, 1, hs, C);
-    const Acc* LLMPAR_RESTRICT gt = g + t * hs;
-    Acc sum = 0;
+  pack_rows(k, kh, T_len, hs, R);
+  std::fill(dk, dk + 2 * T_len * hs, Acc(0));  // dk, dv
+  for (std::int64_t h = g; h < shape.heads; h += shape.kv_heads) {
+    const std::int64_t row0 = b * T_len * Q + h * hs;                           // head offset in (B, T, Q)
+    const Acc* LLMPAR_RESTRICT lse_head = lse + (b * shape.heads + h) * T_len;  // (T)
+    pack_rows(q, rows + shape.q_col(h), T_len, hs, R);
+    pack_rows(go, dout + row0, T_len, hs, Q);
+    for (std::int64_t t = 0; t < T_len; ++t) {
+      pack_rows(o, out + row0 + t * Q, 1, hs, Q);
+      const Acc* LLMPAR_RESTRICT gt = go + t * hs;
+      Acc sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t d = 0; d < hs; ++d) sum += gt[d] * o[d];
-    D[t] = sum;
-  }
-  std::fill(dq, dq + 3 * T_len * hs, Acc(0));  // dq, dk, dv
+      for (std::int64_t d = 0; d < hs; ++d) sum += gt[d] * o[d];
+      D[t] = sum;
+    }
+    std::fill(dq, dq + T_len * hs, Acc(0));
 
-  for (std::int64_t j0 = 0; j0 < T_len; j0 += kTile) {
-    const std::int64_t nj = std::min(kTile, T_len - j0);
-    const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
-    pack_transposed(kt, head + j0 * C3 + C, nj, hs, C3);
-    pack_transposed(vt, head + j0 * C3 + 2 * C, nj, hs, C3);
-    for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile) {
-      const std::int64_t ni = std::min(kTile, T_len - i0);
-      for (std::int64_t r = 0; r < ni; ++r) {
-        const std::int64_t i = i0 + r;
-        const std::int64_t n = std::min(nj, i - j0 + 1);  // causal: keys j0 .. i
-        dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
-        dot_cols<kHs>(dp, g + i * hs, vt, n, hs, Acc(1));
-        const Acc l = lse_head[i];
-        const Acc Di = D[i];
+    for (std::int64_t j0 = 0; j0 < T_len; j0 += kTile) {
+      const std::int64_t nj = std::min(kTile, T_len - j0);
+      const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
+      pack_transposed(kt, kh + j0 * R, nj, hs, R);
+      pack_transposed(vt, vh + j0 * R, nj, hs, R);
+      for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile) {
+        const std::int64_t ni = std::min(kTile, T_len - i0);
+        for (std::int64_t r = 0; r < ni; ++r) {
+          const std::int64_t i = i0 + r;
+          const std::int64_t n = std::min(nj, i - j0 + 1);  // causal: keys j0 .. i
+          dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
+          dot_cols<kHs>(dp, go + i * hs, vt, n, hs, Acc(1));
+          const Acc l = lse_head[i];
+          const Acc Di = D[i];
 #pragma omp simd
-        for (std::int64_t c = 0; c < n; ++c) {
-          p[c] = math::exp(p[c] - l);
-          dp[c] = p[c] * (dp[c] - Di) * scale;
+          for (std::int64_t c = 0; c < n; ++c) {
+            p[c] = math::exp(p[c] - l);
+            dp[c] = p[c] * (dp[c] - Di) * scale;
+          }
+          axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);
+          for (std::int64_t c = 0; c < n; ++c) {
+            pt[c * kTile + r] = p[c];
+            dst[c * kTile + r] = dp[c];
+          }
         }
-        axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);
-        for (std::int64_t c = 0; c < n; ++c) {
-          pt[c * kTile + r] = p[c];
-          dst[c * kTile + r] = dp[c];
+        // Key c of this tile is seen by rows r >= c - (i0 - j0) of the query tile.
+        for (std::int64_t c = 0; c < nj; ++c) {
+          const std::int64_t r0 = std::max<std::int64_t>(0, j0 + c - i0);
+          if (r0 >= ni) continue;
+          axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, go + (i0 + r0) * hs, ni - r0, hs);
+          axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
         }
-      }
-      // Key c of this tile is seen by rows r >= c - (i0 - j0) of the query tile.
-      for (std::int64_t c = 0; c < nj; ++c) {
-        const std::int64_t r0 = std::max<std::int64_t>(0, j0 + c - i0);
-        if (r0 >= ni) continue;
-        axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, g + (i0 + r0) * hs, ni - r0, hs);
-        axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
       }
     }
+    unpack_rows(drows + shape.q_col(h), dq, T_len, hs, R);
   }
-  unpack_rows(dhead, dq, T_len, hs, C3);
-  unpack_rows(dhead + C, dk, T_len, hs, C3);
-  unpack_rows(dhead + 2 * C, dv, T_len, hs, C3);
+  unpack_rows(drows + shape.k_col(g), dk, T_len, hs, R);
+  unpack_rows(drows + shape.v_col(g), dv, T_len, hs, R);
 }
 
 inline std::int64_t backward_scratch(std::int64_t T_len, std::int64_t hs) {
@@ -340,71 +346,66 @@ inline std::int64_t backward_scratch(std::int64_t T_len, std::int64_t hs) {
 }
 
 template <int kHs, class T>
-void backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, std::int64_t B,
-              std::int64_t T_len, std::int64_t C, std::int64_t NH) {
+void backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, const AttentionShape& shape) {
   using Acc = acc_t<T>;
-  const std::int64_t hs = C / NH;
-  const std::int64_t tasks = B * NH;
+  const std::int64_t hs = shape.head_dim, T_len = shape.seq;
+  const std::int64_t tasks = shape.batch * shape.kv_heads;
   const std::int64_t per_thread = backward_scratch(T_len, hs);
-  const bool parallel = tasks > 1 && B * NH * T_len * T_len / 2 * hs >= kMinParallelWork;
+  const bool parallel = tasks > 1 && shape.batch * shape.heads * T_len * T_len / 2 * hs >= kMinParallelWork;
   const int threads = parallel ? static_cast<int>(std::min<std::int64_t>(omp_get_max_threads(), tasks)) : 1;
   Buffer<Acc> scratch(threads * per_thread);
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     Acc* mine = scratch.data() + omp_get_thread_num() * per_thread;
 #pragma omp for schedule(static)
-    for (std::int64_t bh = 0; bh < tasks; ++bh) {
-      backward_head<kHs>(dqkv, dout, qkv, out, lse, bh / NH, bh % NH, T_len, C, NH, mine);
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      backward_kv_head<kHs>(dqkv, dout, qkv, out, lse, task / shape.kv_heads, task % shape.kv_heads, shape, mine);
     }
+  }
+}
+
+// Calls f(std::integral_constant<int, kHs>{}) with the head size compiled for hs, or 0
+// (the head size at run time).
+template <class F>
+void with_head_size(std::int64_t hs, F&& f) {
+  switch (hs) {
+    case 32:
+      f(std::integral_constant<int, 32>{});
+      break;
+    case 64:
+      f(std::integral_constant<int, 64>{});
+      break;
+    case 128:
+      f(std::integral_constant<int, 128>{});
+      break;
+    default:
+      f(std::integral_constant<int, 0>{});
+      break;
   }
 }
 
 }  // namespace detail::attn
 
-// out: (B, T, C); lse: (B, NH, T) log-sum-exp of each row's scaled scores;
-// qkv: (B, T, 3C). Scores are scaled by 1/sqrt(C / NH).
+// out: (B, T, NH·hs); lse: (B, NH, T) log-sum-exp of each row's scaled scores;
+// qkv: (B, T, (NH + 2 KVH)·hs) (core/attention_shape.hpp). Scores are scaled by
+// 1/sqrt(hs).
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len, std::int64_t C,
-                       std::int64_t NH) {
-  detail::attn::check_shape("attention_forward", B, T_len, C, NH);
-  if (B == 0 || T_len == 0) return;
-  switch (C / NH) {
-    case 32:
-      detail::attn::forward<32>(out, lse, qkv, B, T_len, C, NH);
-      break;
-    case 64:
-      detail::attn::forward<64>(out, lse, qkv, B, T_len, C, NH);
-      break;
-    case 128:
-      detail::attn::forward<128>(out, lse, qkv, B, T_len, C, NH);
-      break;
-    default:
-      detail::attn::forward<0>(out, lse, qkv, B, T_len, C, NH);
-      break;
-  }
+void attention_forward(T* out, acc_t<T>* lse, const T* qkv, const AttentionShape& shape) {
+  shape.check("attention_forward");
+  if (shape.batch == 0 || shape.seq == 0) return;
+  detail::attn::with_head_size(shape.head_dim,
+                               [&](auto hs) { detail::attn::forward<decltype(hs)::value>(out, lse, qkv, shape); });
 }
 
-// Overwrites dqkv: (B, T, 3C). dout, out: (B, T, C); qkv: (B, T, 3C); lse: (B, NH, T)
-// as saved by attention_forward on the same qkv.
+// Overwrites dqkv: (B, T, (NH + 2 KVH)·hs). dout, out: (B, T, NH·hs); qkv as forward's;
+// lse: (B, NH, T) as saved by attention_forward on the same qkv.
 template <class T>
-void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse, std::int64_t B,
-                        std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  detail::attn::check_shape("attention_backward", B, T_len, C, NH);
-  if (B == 0 || T_len == 0) return;
-  switch (C / NH) {
-    case 32:
-      detail::attn::backward<32>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
-      break;
-    case 64:
-      detail::attn::backward<64>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
-      break;
-    case 128:
-      detail::attn::backward<128>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
-      break;
-    default:
-      detail::attn::backward<0>(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
-      break;
-  }
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const acc_t<T>* lse,
+                        const AttentionShape& shape) {
+  shape.check("attention_backward");
+  if (shape.batch == 0 || shape.seq == 0) return;
+  detail::attn::with_head_size(
+      shape.head_dim, [&](auto hs) { detail::attn::backward<decltype(hs)::value>(dqkv, dout, qkv, out, lse, shape); });
 }
 
 }  // namespace llmpar::backend::cpu

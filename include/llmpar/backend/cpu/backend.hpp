@@ -12,6 +12,7 @@
 #include "llmpar/backend/backend.hpp"
 #include "llmpar/backend/cpu/adamw.hpp"
 #include "llmpar/backend/cpu/attention.hpp"
+#include "llmpar/backend/cpu/attention_block.hpp"
 #include "llmpar/backend/cpu/bias.hpp"
 #include "llmpar/backend/cpu/common.hpp"
 #include "llmpar/backend/cpu/convert.hpp"
@@ -24,6 +25,7 @@
 #include "llmpar/backend/cpu/layernorm.hpp"
 #include "llmpar/backend/cpu/reduce.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
+#include "llmpar/backend/cpu/rotary.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
 
@@ -83,14 +85,45 @@ struct Cpu {
     cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, rows, C);
   }
   template <class T>
-  static void attention_forward(Context&, T* out, Acc<T>* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                                std::int64_t C, std::int64_t NH) {
-    cpu::attention_forward(out, lse, qkv, B, T_len, C, NH);
+  static void attention_forward(Context&, T* out, Acc<T>* lse, const T* qkv, const AttentionShape& shape) {
+    cpu::attention_forward(out, lse, qkv, shape);
   }
   template <class T>
   static void attention_backward(Context&, T* dqkv, const T* dout, const T* qkv, const T* out, const Acc<T>* lse,
-                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T_len, C, NH);
+                                 const AttentionShape& shape) {
+    cpu::attention_backward(dqkv, dout, qkv, out, lse, shape);
+  }
+  // Rotary position embeddings on q and k of qkv (B, T, R), in place; inverse: the
+  // backward (backend/cpu/rotary.hpp).
+  template <class T>
+  static void rotary(Context&, T* qkv, const AttentionShape& shape, const math::RopeConfig& rope, bool inverse,
+                     const ChunkPositions& positions = {}) {
+    cpu::rotary(qkv, shape, rope, inverse, positions);
+  }
+  // Attention one block at a time (ring attention, backend/cpu/attention_block.hpp).
+  template <class A>
+  static void attention_state_init(Context&, const AttentionState<A>& st, const AttentionShape& shape) {
+    cpu::attention_state_init(st, shape);
+  }
+  template <class T>
+  static void attention_block_forward(Context&, const AttentionState<Acc<T>>& st, const T* qkv, const T* kv,
+                                      const AttentionShape& shape, const AttentionBlock& block) {
+    cpu::attention_block_forward(st, qkv, kv, shape, block);
+  }
+  template <class T>
+  static void attention_state_finish(Context&, T* out, Acc<T>* lse, const AttentionState<Acc<T>>& st,
+                                     const AttentionShape& shape) {
+    cpu::attention_state_finish(out, lse, st, shape);
+  }
+  template <class T>
+  static void attention_dsum(Context&, Acc<T>* dsum, const T* dout, const T* out, const AttentionShape& shape) {
+    cpu::attention_dsum(dsum, dout, out, shape);
+  }
+  template <class T>
+  static void attention_block_backward(Context&, Acc<T>* dq, Acc<T>* dkv, const T* dout, const T* qkv, const T* kv,
+                                       const Acc<T>* lse, const Acc<T>* dsum, const AttentionShape& shape,
+                                       const AttentionBlock& block) {
+    cpu::attention_block_backward(dq, dkv, dout, qkv, kv, lse, dsum, shape, block);
   }
   template <class T>
   static void gelu_forward(Context&, T* out, const T* x, std::int64_t n) {

@@ -30,6 +30,7 @@
 #include "llmpar/backend/cpu/layernorm.hpp"
 #include "llmpar/backend/cpu/reduce.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
+#include "llmpar/backend/cpu/rotary.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/math/adamw.hpp"
@@ -38,63 +39,63 @@
 // MODE is `extern` (declarations) or empty (the definitions). A GEMM into f32 main
 // gradients (gemm<T, float>) is listed by LLMPAR_CPU_KERNELS_MAIN_GRAD_ for the 16-bit
 // types only, since for float it is gemm<float, float>.
-#define LLMPAR_CPU_KERNELS_(MODE, T)                                                                                 \
-  namespace llmpar::backend::cpu {                                                                                   \
-  MODE template void gemm<T, T>(Context&, T*, const T*, const T*, const T*, std::int64_t, std::int64_t,             \
-                                std::int64_t, GemmOp);                                                               \
-  MODE template void layernorm_forward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*, std::int64_t,     \
-                                          std::int64_t, float);                                                      \
-  MODE template void layernorm_backward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*,                  \
-                                           const acc_t<T>*, const acc_t<T>*, std::int64_t, std::int64_t);            \
-  MODE template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, std::int64_t, std::int64_t, float);      \
-  MODE template void rmsnorm_backward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const acc_t<T>*,              \
-                                         std::int64_t, std::int64_t);                                                \
-  MODE template void attention_forward<T>(T*, acc_t<T>*, const T*, std::int64_t, std::int64_t, std::int64_t,        \
-                                          std::int64_t);                                                             \
-  MODE template void attention_backward<T>(T*, const T*, const T*, const T*, const acc_t<T>*, std::int64_t,         \
-                                           std::int64_t, std::int64_t, std::int64_t);                                \
-  MODE template void gelu_forward<T>(T*, const T*, std::int64_t);                                                    \
-  MODE template void gelu_backward<T>(T*, const T*, const T*, std::int64_t);                                         \
-  MODE template void add<T>(T*, const T*, const T*, std::int64_t);                                                   \
-  MODE template void add_inplace<T>(T*, const T*, std::int64_t);                                                     \
-  MODE template void scale_inplace<T>(T*, acc_t<T>, std::int64_t);                                                   \
-  MODE template void bias_backward<T>(acc_t<T>*, const T*, std::int64_t, std::int64_t);                              \
-  MODE template void encoder_forward<T>(T*, const std::int32_t*, const T*, const T*, std::int64_t, std::int64_t,    \
-                                        std::int64_t, RowSlice);                                                     \
-  MODE template void encoder_backward<T>(acc_t<T>*, acc_t<T>*, const T*, const std::int32_t*, std::int64_t,         \
-                                         std::int64_t, std::int64_t, RowSlice);                                      \
-  MODE template void cross_entropy_forward_backward<T>(T*, acc_t<T>*, const std::int32_t*, std::int64_t,            \
-                                                       std::int64_t, std::int64_t, acc_t<T>);                        \
-  MODE template void cross_entropy_forward<T>(acc_t<T>*, const T*, const std::int32_t*, std::int64_t, std::int64_t, \
-                                              std::int64_t);                                                         \
-  MODE template void vocab_parallel_cross_entropy_stats<T>(acc_t<T>*, const T*, const std::int32_t*, std::int64_t,  \
-                                                           std::int64_t, std::int64_t, std::int64_t);                \
-  MODE template void vocab_parallel_cross_entropy_finish<T>(T*, acc_t<T>*, const T*, const acc_t<T>*, int,          \
-                                                            const std::int32_t*, std::int64_t, std::int64_t,         \
-                                                            std::int64_t, std::int64_t, acc_t<T>);                   \
-  MODE template void convert<T, float>(T*, const float*, std::int64_t);                                              \
-  MODE template void convert<T, bf16>(T*, const bf16*, std::int64_t);                                                \
-  MODE template void convert<T, f16>(T*, const f16*, std::int64_t);                                                  \
-  MODE template double sum_of_squares<T>(const T*, std::int64_t);                                                    \
-  MODE template void detail::adamw_elements<float, T>(float*, T*, float*, float*, const float*, std::int64_t,       \
-                                                      const math::AdamWParams&, int, float, const char*);            \
+#define LLMPAR_CPU_KERNELS_(MODE, T)                                                                                   \
+  namespace llmpar::backend::cpu {                                                                                     \
+  MODE template void gemm<T, T>(Context&, T*, const T*, const T*, const T*, std::int64_t, std::int64_t, std::int64_t,  \
+                                GemmOp);                                                                               \
+  MODE template void layernorm_forward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*, std::int64_t,        \
+                                          std::int64_t, float);                                                        \
+  MODE template void layernorm_backward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*, const acc_t<T>*,    \
+                                           const acc_t<T>*, std::int64_t, std::int64_t);                               \
+  MODE template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, std::int64_t, std::int64_t, float);         \
+  MODE template void rmsnorm_backward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const acc_t<T>*, std::int64_t,   \
+                                         std::int64_t);                                                                \
+  MODE template void attention_forward<T>(T*, acc_t<T>*, const T*, const AttentionShape&);                             \
+  MODE template void attention_backward<T>(T*, const T*, const T*, const T*, const acc_t<T>*, const AttentionShape&);  \
+  MODE template void gelu_forward<T>(T*, const T*, std::int64_t);                                                      \
+  MODE template void gelu_backward<T>(T*, const T*, const T*, std::int64_t);                                           \
+  MODE template void add<T>(T*, const T*, const T*, std::int64_t);                                                     \
+  MODE template void add_inplace<T>(T*, const T*, std::int64_t);                                                       \
+  MODE template void scale_inplace<T>(T*, acc_t<T>, std::int64_t);                                                     \
+  MODE template void bias_backward<T>(acc_t<T>*, const T*, std::int64_t, std::int64_t);                                \
+  MODE template void encoder_forward<T>(T*, const std::int32_t*, const T*, const T*, std::int64_t, std::int64_t,       \
+                                        std::int64_t, RowSlice);                                                       \
+  MODE template void encoder_backward<T>(acc_t<T>*, acc_t<T>*, const T*, const std::int32_t*, std::int64_t,            \
+                                         std::int64_t, std::int64_t, RowSlice);                                        \
+  MODE template void cross_entropy_forward_backward<T>(T*, acc_t<T>*, const std::int32_t*, std::int64_t, std::int64_t, \
+                                                       std::int64_t, acc_t<T>);                                        \
+  MODE template void cross_entropy_forward<T>(acc_t<T>*, const T*, const std::int32_t*, std::int64_t, std::int64_t,    \
+                                              std::int64_t);                                                           \
+  MODE template void vocab_parallel_cross_entropy_stats<T>(acc_t<T>*, const T*, const std::int32_t*, std::int64_t,     \
+                                                           std::int64_t, std::int64_t, std::int64_t);                  \
+  MODE template void vocab_parallel_cross_entropy_finish<T>(T*, acc_t<T>*, const T*, const acc_t<T>*, int,             \
+                                                            const std::int32_t*, std::int64_t, std::int64_t,           \
+                                                            std::int64_t, std::int64_t, acc_t<T>);                     \
+  MODE template void convert<T, float>(T*, const float*, std::int64_t);                                                \
+  MODE template void convert<T, bf16>(T*, const bf16*, std::int64_t);                                                  \
+  MODE template void convert<T, f16>(T*, const f16*, std::int64_t);                                                    \
+  MODE template double sum_of_squares<T>(const T*, std::int64_t);                                                      \
+  MODE template void detail::adamw_elements<float, T>(float*, T*, float*, float*, const float*, std::int64_t,          \
+                                                      const math::AdamWParams&, int, float, const char*);              \
   }
 
-#define LLMPAR_CPU_KERNELS_MAIN_GRAD_(MODE, T)                                                                       \
-  namespace llmpar::backend::cpu {                                                                                   \
-  MODE template void gemm<T, float>(Context&, float*, const T*, const T*, const T*, std::int64_t, std::int64_t,     \
-                                    std::int64_t, GemmOp);                                                           \
+#define LLMPAR_CPU_KERNELS_MAIN_GRAD_(MODE, T)                                                                  \
+  namespace llmpar::backend::cpu {                                                                              \
+  MODE template void gemm<T, float>(Context&, float*, const T*, const T*, const T*, std::int64_t, std::int64_t, \
+                                    std::int64_t, GemmOp);                                                      \
   }
 
-// The gated units (SwiGLU, GeGLU) over T, compiled in a translation unit of their own
+// The gated units (SwiGLU, GeGLU) and the rotary embedding over T (what a Llama block
+// adds to GPT-2's kernels), compiled in a translation unit of their own
 // (src/cpu_kernels_glu.cpp): GELU and the gates share math::exp, and compiled beside
 // the other kernels they changed GCC's inlining of it there, which moved fp16 tp 2
 // runs of train_gpt by an ulp from step 5. Kept apart, the other kernels compile as
 // they did, and their numbers do not depend on what else a unit holds.
-#define LLMPAR_CPU_GLU_KERNELS_(MODE, T)                                                                             \
-  namespace llmpar::backend::cpu {                                                                                   \
-  MODE template void glu_forward<T>(T*, const T*, std::int64_t, std::int64_t, math::Gate);                           \
-  MODE template void glu_backward<T>(T*, const T*, const T*, std::int64_t, std::int64_t, math::Gate);               \
+#define LLMPAR_CPU_GLU_KERNELS_(MODE, T)                                                                         \
+  namespace llmpar::backend::cpu {                                                                               \
+  MODE template void glu_forward<T>(T*, const T*, std::int64_t, std::int64_t, math::Gate);                       \
+  MODE template void glu_backward<T>(T*, const T*, const T*, std::int64_t, std::int64_t, math::Gate);            \
+  MODE template void rotary<T>(T*, const AttentionShape&, const math::RopeConfig&, bool, const ChunkPositions&); \
   }
 #define LLMPAR_CPU_INSTANTIATE_GLU_KERNELS(T) LLMPAR_CPU_GLU_KERNELS_(, T)
 

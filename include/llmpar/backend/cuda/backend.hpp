@@ -42,12 +42,14 @@
 #include "llmpar/backend/cuda/check.hpp"
 #include "llmpar/backend/cuda/gemm.hpp"
 #include "llmpar/backend/cuda/memory.hpp"
+#include "llmpar/core/attention_shape.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/slice.hpp"
 #include "llmpar/core/tensor.hpp"
 #include "llmpar/math/activation.hpp"
 #include "llmpar/math/adamw.hpp"
 #include "llmpar/math/online_softmax.hpp"
+#include "llmpar/math/rotary.hpp"
 
 namespace llmpar::backend::cuda {
 
@@ -183,11 +185,10 @@ struct Cuda {
   static void rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* x, const T* weight,
                                const float* rstd, std::int64_t rows, std::int64_t C);
   template <class T>
-  static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                                std::int64_t C, std::int64_t NH);
+  static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, const AttentionShape& shape);
   template <class T>
   static void attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                                 std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH);
+                                 const AttentionShape& shape);
   template <class T>
   static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n);
   template <class T>
@@ -199,6 +200,11 @@ struct Cuda {
   template <class T>
   static void glu_backward(Context& ctx, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
                            math::Gate gate);
+  // Rotary position embeddings on q and k of qkv (B, T, R), in place; inverse: the
+  // backward (kernels/rotary.cuh).
+  template <class T>
+  static void rotary(Context& ctx, T* qkv, const AttentionShape& shape, const math::RopeConfig& rope, bool inverse,
+                     const ChunkPositions& positions = {});
   template <class T>
   static void add_inplace(Context& ctx, T* a, const T* b, std::int64_t n);
   // a (n) *= s.

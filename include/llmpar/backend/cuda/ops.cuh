@@ -21,6 +21,7 @@
 #include "llmpar/kernels/cross_entropy.cuh"
 #include "llmpar/kernels/elementwise.cuh"
 #include "llmpar/kernels/layernorm.cuh"
+#include "llmpar/kernels/rotary.cuh"
 
 namespace llmpar::backend {
 
@@ -55,16 +56,15 @@ void Cuda::rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, 
 }
 
 template <class T>
-void Cuda::attention_forward(Context& ctx, T* out, float* lse, const T* qkv, std::int64_t B, std::int64_t T_len,
-                             std::int64_t C, std::int64_t NH) {
-  kernels::attention_forward(ctx.stream(), out, lse, qkv, B, T_len, C, NH);
+void Cuda::attention_forward(Context& ctx, T* out, float* lse, const T* qkv, const AttentionShape& shape) {
+  kernels::attention_forward(ctx.stream(), out, lse, qkv, shape);
 }
 
 template <class T>
 void Cuda::attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
-                              std::int64_t B, std::int64_t T_len, std::int64_t C, std::int64_t NH) {
-  float* workspace = ctx.scratch_floats(kernels::attention_backward_workspace(B, T_len, C, NH));
-  kernels::attention_backward(ctx.stream(), dqkv, dout, qkv, out, lse, workspace, B, T_len, C, NH);
+                              const AttentionShape& shape) {
+  float* workspace = ctx.scratch_floats(kernels::attention_backward_workspace(shape));
+  kernels::attention_backward(ctx.stream(), dqkv, dout, qkv, out, lse, workspace, shape);
 }
 
 template <class T>
@@ -86,6 +86,12 @@ template <class T>
 void Cuda::glu_backward(Context& ctx, T* dpre, const T* dact, const T* pre, std::int64_t rows, std::int64_t hidden,
                         math::Gate gate) {
   kernels::glu_backward(ctx.stream(), dpre, dact, pre, rows, hidden, gate);
+}
+
+template <class T>
+void Cuda::rotary(Context& ctx, T* qkv, const AttentionShape& shape, const math::RopeConfig& rope, bool inverse,
+                  const ChunkPositions& positions) {
+  kernels::rotary(ctx.stream(), qkv, shape, rope, inverse, positions);
 }
 
 template <class T>
@@ -220,6 +226,7 @@ constexpr auto ops_of() {
                     &Cuda::gelu_backward<T>,
                     &Cuda::glu_forward<T>,
                     &Cuda::glu_backward<T>,
+                    &Cuda::rotary<T>,
                     &Cuda::add_inplace<T>,
                     &Cuda::scale_inplace<T>,
                     &Cuda::bias_backward<T>,
