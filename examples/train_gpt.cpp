@@ -89,6 +89,7 @@ nlohmann::json config_record(const Options& o, nlohmann::json model, const RunFa
                            {"tp", o.tp},
                            {"sp", o.sp},
                            {"cp", o.cp},
+                           {"cp_comm", o.cp_comm},
                            {"pp", o.pp},
                            {"schedule", o.schedule},
                            {"virtual_stages", o.virtual_stages},
@@ -261,7 +262,13 @@ int main(int argc, char** argv) {
   app.add_flag("--sp", o.sp, "Sequence parallelism: split the LayerNorm and residual regions' rows over the tp group");
   app.add_option("--cp", o.cp,
                  "Context-parallel degree: split every sequence over this many ranks (load-balanced causal chunks, "
-                 "ring attention)")
+                 "ring attention, or an all-to-all over the heads with --cp-comm a2a)")
+      ->capture_default_str();
+  app.add_option("--cp-comm", o.cp_comm,
+                 "How attention reaches the other cp ranks' rows: ring (K/V blocks passed round the ranks, hidden "
+                 "behind the compute; any head count) or a2a (all-to-all over the heads; --cp divides the kv heads "
+                 "per tp rank)")
+      ->check(CLI::IsMember({"ring", "a2a"}))
       ->capture_default_str();
   app.add_option("--pp", o.pp, "Pipeline stages: split the layers over this many ranks")->capture_default_str();
   app.add_option("--schedule", o.schedule,

@@ -69,6 +69,7 @@ struct Options {
   int tp = 1;                              // tensor-parallel degree; the other ranks replicate (data parallel)
   bool sp = false;                         // sequence parallelism within the tp group
   int cp = 1;                              // context-parallel degree: each sequence over cp ranks
+  std::string cp_comm = "ring";            // ring, a2a (nn::CpComm)
   int pp = 1;                              // pipeline stages
   std::string schedule = "1f1b";           // gpipe, 1f1b, interleaved, zb
   int virtual_stages = 1;                  // chunks per pipeline rank
@@ -307,6 +308,7 @@ inline parallel::LayoutConfig layout_of(const Options& o, int world_size) {
   l.tp = o.tp;
   l.sp = o.sp;
   l.cp = o.cp;
+  l.cp_comm = nn::parse_cp_comm(o.cp_comm);
   l.pp = o.pp;
   l.schedule = o.schedule;
   l.virtual_stages = o.virtual_stages;
@@ -447,6 +449,11 @@ void validate_model(const Options& o, int world_size, const parallel::LayoutConf
       checkpoint::hf::check_standard_logits(cfg, "--init-from: Hugging Face GPT-2 weights cannot be read into");
     if (!o.export_to.empty())
       checkpoint::hf::check_standard_logits(cfg, "--export: Hugging Face GPT-2 weights cannot be written from");
+  }
+  if (o.cp > 1) {
+    std::int64_t kv_heads = cfg.heads;
+    if constexpr (kLlama) kv_heads = cfg.kv_heads;
+    nn::check_cp_heads(layout.cp_comm, o.cp, kv_heads / o.tp, o.tp);
   }
   const std::int64_t seq = sequence_length(o, preset);
   LLMPAR_CHECK(seq > 0, "--seq ", seq, "; the sequence length must be positive");

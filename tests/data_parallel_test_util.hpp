@@ -84,6 +84,7 @@ struct Layout {
   int accum = 1;        // micro-batches per step (the pipeline's m)
   bool sp = false;      // sequence parallelism over the tp group
   int cp = 1;           // context parallelism: each sequence over cp ranks
+  nn::CpComm cp_comm = nn::CpComm::ring;
   int steps = 5;
   std::int64_t bucket_bytes = 4096;  // small: several buckets even in the test model
   bool overlap = true;
@@ -124,6 +125,7 @@ parallel::LayoutConfig layout_config(const Layout& layout, int world, int tp) {
   l.tp = tp;
   l.sp = layout.sp;
   l.cp = layout.cp;
+  l.cp_comm = layout.cp_comm;
   l.pp = layout.pp;
   l.fit_world(world);
   l.virtual_stages = layout.chunks;
@@ -157,7 +159,8 @@ void train(comm::Comm& world, int tp, const Layout& layout, Run& run, std::mutex
                                       .rank = grid.coords().pp,
                                       .partition = pipeline::even_partition(layout.layers, layout.pp, layout.chunks)};
   REQUIRE(cfg.layers == layout.layers);
-  Model model(cfg, 99, nn::TensorParallelGroup(&grid.tp(), lc.sp), placement, nn::ContextParallelGroup(&grid.cp()));
+  Model model(cfg, 99, nn::TensorParallelGroup(&grid.tp(), lc.sp), placement,
+              nn::ContextParallelGroup(&grid.cp(), layout.cp_comm));
   static const std::vector<std::uint16_t> stream = tokens();
   const data::TokenDataset dataset = data::TokenDataset::from_tokens(stream, 50, "dp tokens");
   data::DataLoader loader(

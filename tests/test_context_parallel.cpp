@@ -1,7 +1,7 @@
-// Context parallelism (nn/context_parallel.hpp, ring attention in nn::SelfAttention)
-// computes the serial run: GPT-2 (learned positions) and Llama (rotary positions,
-// grouped-query attention) at cp 2 and 4, cp x tp (with sequence parallelism) x dp,
-// cp x pp, cp with ZeRO 1 and 3 and with selective recomputation: step 1's gradients,
+// Context parallelism (nn/context_parallel.hpp: ring attention, and the all-to-all over
+// the heads) computes the serial run: GPT-2 (learned positions) and Llama (rotary
+// positions, grouped-query attention) at cp 2 and 4, cp x tp (with sequence
+// parallelism) x dp, cp x pp, cp with ZeRO 1 and 3 and with selective recomputation: step 1's gradients,
 // five steps' losses, norms and parameters within 1e-5 (fp32) of one rank; the chunking
 // itself (which rows a rank holds, at which positions); the activations a rank holds
 // fall with the cp degree, as the planner predicts them; bad sequence lengths are named.
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "data_parallel_test_util.hpp"
@@ -106,6 +107,52 @@ TEST_CASE("cp 2 x dp 2 with ZeRO 3, and cp 2 with selective recomputation, compu
               "cp 2 x dp 2, ZeRO 3");
   layout.recompute = recompute::Mode::selective;
   check_close(run<models::LlamaSpec>(2, 1, layout), serial<models::LlamaSpec>(base), "cp 2, selective recompute");
+}
+
+TEST_CASE_TEMPLATE("context parallelism by all-to-all over the heads computes the serial run", Spec, models::GPT2Spec,
+                   models::LlamaSpec) {
+  const dp_test::Layout base{.micro_batch = 2, .accum = 2};
+  const dp_test::Run reference = serial<Spec>(base);
+  dp_test::Layout layout = base;
+  layout.cp = 2;
+  layout.cp_comm = nn::CpComm::all_to_all;
+  check_close(run<Spec>(2, 1, layout), reference, "cp 2, all-to-all");
+  layout.recompute = recompute::Mode::selective;
+  check_close(run<Spec>(2, 1, layout), reference, "cp 2, all-to-all, selective recompute");
+  layout.recompute.reset();
+  layout.pp = 2;
+  layout.schedule = "1f1b";
+  check_close(run<Spec>(4, 1, layout), reference, "cp 2 x pp 2, all-to-all");
+  if constexpr (std::is_same_v<Spec, models::GPT2Spec>) {  // 4 heads: cp 4, or cp 2 within tp 2
+    layout.pp = 1;
+    layout.cp = 4;
+    check_close(run<Spec>(4, 1, layout), reference, "cp 4, all-to-all");
+    dp_test::Layout three{.micro_batch = 1, .accum = 2, .sp = true, .cp = 2, .cp_comm = nn::CpComm::all_to_all};
+    check_close(run<Spec, Policy<1>>(8, 2, three), serial<Spec>(three, 2), "cp 2 x tp 2 sp x dp 2, all-to-all, ZeRO 1");
+  } else {  // 2 kv heads: cp 4 over 4 of them
+    models::LlamaConfig wide = dp_test::llama_config(base.layers);
+    wide.kv_heads = 4;
+    dp_test::Layout mha = base;
+    mha.llama = wide;
+    const dp_test::Run mha_reference = serial<Spec>(mha);
+    mha.cp = 4;
+    mha.cp_comm = nn::CpComm::all_to_all;
+    check_close(run<Spec>(4, 1, mha), mha_reference, "cp 4 over 4 kv heads, all-to-all");
+  }
+}
+
+TEST_CASE("the all-to-all names a cp that does not divide the kv heads") {
+  dp_test::Layout layout{.micro_batch = 1, .accum = 1, .cp = 4, .cp_comm = nn::CpComm::all_to_all};
+  CHECK_THROWS_WITH_AS(run<models::LlamaSpec>(4, 1, layout),
+                       doctest::Contains("--cp-comm a2a splits the heads over the cp ranks, but --cp 4 does not "
+                                         "divide the 2 kv heads; use --cp-comm ring, or a --cp that divides them"),
+                       Error);
+  layout.cp = 2;
+  layout.sp = false;
+  CHECK_THROWS_WITH_AS(run<models::LlamaSpec>(4, 2, layout),
+                       doctest::Contains("does not divide the 1 kv heads of a tp rank (kv heads / --tp)"), Error);
+  CHECK_THROWS_WITH_AS(nn::parse_cp_comm("ulysses"),
+                       doctest::Contains("--cp-comm ulysses is not a context-parallel exchange; use ring"), Error);
 }
 
 TEST_CASE("the activations a rank holds fall with the cp degree") {

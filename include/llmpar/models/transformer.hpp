@@ -727,7 +727,7 @@ class TransformerCore {
                                                       const parallel::LayoutConfig& layout) {
     LLMPAR_CHECK(layout.cp == grid.cp().size(), "the layout is cp ", layout.cp, " but the grid's cp group has ",
                  grid.cp().size(), " ranks; build the Grid from the layout (.cp = layout.cp)");
-    return nn::ContextParallelGroup(&grid.cp());
+    return nn::ContextParallelGroup(&grid.cp(), layout.cp_comm);
   }
   // buffer (batch, seq / cp) = this rank's chunks of ids (batch, seq); returns it.
   const std::int32_t* take_chunks(std::vector<std::int32_t>& buffer, const std::int32_t* ids, std::int64_t batch,

@@ -45,11 +45,8 @@
 // layer owns. In backward dx may be the scratch's c0: it is written last.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
-#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -126,7 +123,9 @@ class SelfAttention {
 
   // One micro-batch's activations (Cl = C / tp, Rl = this rank's QKV features: 3Cl
   // for multi-head attention). att_out and lse stay empty under selective
-  // recomputation.
+  // recomputation. Under context parallelism by all-to-all, qkv holds every row of the
+  // whole sequences (B, cp·S, Rl / cp) for this rank's 1/cp of the heads, and lse
+  // those heads' (detail::ContextParallelCore::prepare).
   struct Saved {
     Buffer<T, Space> qkv;      // (B, S, Rl) after Positions::forward
     Buffer<T, Space> att_out;  // (B, S, Cl)
@@ -163,14 +162,17 @@ class SelfAttention {
   bool selective_recompute() const { return selective_; }
 
   // Context parallelism over `cp`: this rank's rows are its two chunks of every
-  // sequence (nn/context_parallel.hpp), and the core is ring attention over the group.
-  // The Positions must follow the chunks (set_context_parallel), or place nothing.
+  // sequence (nn/context_parallel.hpp), and the core reaches the other ranks' rows by
+  // ring attention or by an all-to-all over the heads (cp.how()). The Positions must
+  // follow the chunks (set_context_parallel), or place nothing.
   void set_context_parallel(ContextParallelGroup cp) {
     if (cp.split()) {
-      LLMPAR_CHECK(kRing, "context parallelism on the ", Backend::kName, " backend",
+      LLMPAR_CHECK(Core::supports(cp.how()), "context parallelism (--cp-comm ", cp_comm_name(cp.how()), ") on the ",
+                   Backend::kName, " backend",
                    std::is_same_v<T, double> ? " of a double model (communicators carry float, bf16 and f16)"
                                              : " is not built yet (ring attention runs on backend::Cpu)",
                    "; use --cp 1 there");
+      cp.check_heads(kv_heads_, tp_.size());
       if constexpr (requires { positions_.set_context_parallel(cp); })
         positions_.set_context_parallel(cp);
       else
@@ -193,7 +195,8 @@ class SelfAttention {
     tp_.template wait_for_kernels<Backend>(ctx);
     qkv_.forward(ctx, sv.qkv.data(), tp_.gather_rows(s.gathered.data(), x, rows, C), rows);
     positions_.forward(ctx, sv.qkv.data(), shape(batch, seq));
-    const T* att_out = cp_.split() ? ring_forward(ctx, sv, s, batch, seq) : core(ctx, sv, s, batch, seq);
+    if (cp_.split()) Core::prepare(ctx, cp_, sv.qkv.data(), shape(batch, seq), s);
+    const T* att_out = core(ctx, sv, s, batch, seq);
     T* partial = sp ? s.partial.data() : out;
     proj_.forward_partial(ctx, partial, att_out, rows);
     tp_.reduce_rows(out, partial, rows, C);  // "g"
@@ -212,9 +215,7 @@ class SelfAttention {
     s.c0.reserve(rows * Cl);
     s.qkv.reserve(rows * Rl);
     if (sp) s.reserve_sequence_parallel(rows, C);
-    const T* att_out = !selective_   ? sv.att_out.data()
-                       : cp_.split() ? ring_forward(ctx, sv, s, batch, seq)
-                                     : core(ctx, sv, s, batch, seq);
+    const T* att_out = selective_ ? core(ctx, sv, s, batch, seq) : sv.att_out.data();
     const Acc* lse = selective_ ? s.lse.data() : sv.lse.data();
     tp_.template wait_for_kernels<Backend>(ctx);
     // The row-parallel projection sees every row of dout ("g" backward).
@@ -227,7 +228,7 @@ class SelfAttention {
       proj_.backward(ctx, s.c0.data(), dy, att_out, rows);
     }
     if (cp_.split())
-      ring_backward(ctx, s, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, batch, seq);
+      Core::backward(ctx, cp_, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, shape(batch, seq), s);
     else
       Backend::attention_backward(ctx, s.qkv.data(), s.c0.data(), sv.qkv.data(), att_out, lse, shape(batch, seq));
     positions_.backward(ctx, s.qkv.data(), shape(batch, seq));
@@ -280,145 +281,21 @@ class SelfAttention {
   std::size_t scratch_bytes() const { return own_scratch_.bytes(); }
 
  private:
-  // The attention core on sv.qkv, into sv (kept) or the scratch (selective
-  // recomputation); returns its output.
+  using Core = detail::ContextParallelCore<T, Backend>;
+
+  // The attention core on sv.qkv (under context parallelism: against every cp rank's
+  // keys), into sv (kept) or the scratch (selective recomputation); returns its output.
   const T* core(Context& ctx, Saved& sv, Scratch& s, std::int64_t batch, std::int64_t seq) {
     const std::int64_t rows = batch * seq;
     Buffer<T, Space>& out = selective_ ? s.att_out : sv.att_out;
     Buffer<Acc, Space>& lse = selective_ ? s.lse : sv.lse;
     out.reserve(rows * local_dim_);
     lse.reserve(batch * heads_ * seq);
-    Backend::attention_forward(ctx, out.data(), lse.data(), sv.qkv.data(), shape(batch, seq));
+    if (cp_.split())
+      Core::forward(ctx, cp_, out.data(), lse.data(), sv.qkv.data(), shape(batch, seq), s);
+    else
+      Backend::attention_forward(ctx, out.data(), lse.data(), sv.qkv.data(), shape(batch, seq));
     return out.data();
-  }
-
-  // Ring attention (context parallelism): the backend has the block kernels, and the
-  // communicators carry T (float, bf16, f16: a double model runs without cp).
-  static constexpr bool kRing =
-      !std::is_same_v<T, double> && requires(Context & c, const AttentionState<Acc>& st, const T* p, Acc* a) {
-    Backend::attention_block_forward(c, st, p, p, AttentionShape{}, AttentionBlock{});
-    Backend::attention_block_backward(c, a, a, p, p, p, a, a, AttentionShape{}, AttentionBlock{});
-  };
-
-  // The blocks of ring step `step` (the K/V of cp rank (r - step) mod cp): each of this
-  // rank's two query chunks against each of that rank's two key chunks at or before it.
-  template <class F>
-  void for_each_block(int step, std::int64_t seq, F&& f) const {
-    const int cp = cp_.size(), src = (cp_.rank() - step + cp) % cp;
-    const std::int64_t c = seq / 2, KV = kv_heads_ * head_dim_;
-    for (int a = 0; a < 2; ++a)
-      for (int b = 0; b < 2; ++b) {
-        const int qa = cp_.chunk_of(a), kb = cp_.chunk_of(src, b);
-        if (kb > qa) continue;  // every key after every query: masked
-        f(AttentionBlock{.q_first = a * c,
-                         .kv_seq = seq,
-                         .kv_first = b * c,
-                         .len = c,
-                         .kv_stride = 2 * KV,
-                         .k_offset = 0,
-                         .v_offset = KV,
-                         .causal = kb == qa});
-      }
-  }
-  // kv (B·S, 2 KVl) = the k and v columns of this rank's qkv rows.
-  void pack_kv(T* kv, const T* qkv, std::int64_t rows) const {
-    const std::int64_t R = qkv_width(), Q = heads_ * head_dim_, KV = kv_heads_ * head_dim_;
-    for (std::int64_t r = 0; r < rows; ++r) std::copy(qkv + r * R + Q, qkv + r * R + Q + 2 * KV, kv + r * 2 * KV);
-  }
-  int next_rank() const { return (cp_.rank() + 1) % cp_.size(); }
-  int prev_rank() const { return (cp_.rank() - 1 + cp_.size()) % cp_.size(); }
-
-  // The attention core over the whole sequences, this rank's queries against every cp
-  // rank's keys: cp steps, each attending to the K/V block in hand while it passes to
-  // the next rank (and the previous rank's arrives). Into sv, or the scratch under
-  // selective recomputation, as core(); returns the output.
-  const T* ring_forward(Context& ctx, Saved& sv, Scratch& s, std::int64_t batch, std::int64_t seq) {
-    if constexpr (kRing) {
-      RingScratch<T, Space, Acc>& ring = s.ring;
-      const std::int64_t rows = batch * seq, KV = kv_heads_ * head_dim_;
-      const AttentionShape sh = shape(batch, seq);
-      Buffer<T, Space>& out = selective_ ? s.att_out : sv.att_out;
-      Buffer<Acc, Space>& lse = selective_ ? s.lse : sv.lse;
-      out.reserve(rows * local_dim_);
-      lse.reserve(batch * heads_ * seq);
-      for (auto& b : ring.kv) b.reserve(rows * 2 * KV);
-      ring.o.reserve(rows * heads_ * head_dim_);
-      ring.m.reserve(batch * heads_ * seq);
-      ring.l.reserve(batch * heads_ * seq);
-      const AttentionState<Acc> st{ring.o.data(), ring.m.data(), ring.l.data()};
-      Backend::attention_state_init(ctx, st, sh);
-      pack_kv(ring.kv[0].data(), sv.qkv.data(), rows);
-      comm::Comm& group = *cp_.communicator();
-      const auto n = static_cast<std::size_t>(rows * 2 * KV);
-      for (int step = 0; step < cp_.size(); ++step) {
-        T* here = ring.kv[step % 2].data();
-        T* next = ring.kv[(step + 1) % 2].data();
-        std::optional<comm::Comm::Request> passing;
-        if (step + 1 < cp_.size())
-          passing = group.p2p_async({group.send_op(std::span<const T>(here, n), next_rank()),
-                                     group.recv_op(std::span<T>(next, n), prev_rank())});
-        for_each_block(step, seq, [&](const AttentionBlock& blk) {
-          Backend::attention_block_forward(ctx, st, sv.qkv.data(), here, sh, blk);
-        });
-        if (passing) passing->wait();
-      }
-      Backend::attention_state_finish(ctx, out.data(), lse.data(), st, sh);
-      return out.data();
-    } else {
-      static_cast<void>(ctx), static_cast<void>(sv), static_cast<void>(s), static_cast<void>(batch),
-          static_cast<void>(seq);
-      LLMPAR_FAIL("ring attention needs the backend's block kernels");
-    }
-  }
-
-  // dqkv (B·S, Rl) from dout (B·S, Cl) of the core: each K/V block travels the ring
-  // again, now with its dK/dV, which every rank adds to as it passes and which arrives
-  // home after the last step; dq stays.
-  void ring_backward(Context& ctx, Scratch& s, T* dqkv, const T* dout, const T* qkv, const T* out, const Acc* lse,
-                     std::int64_t batch, std::int64_t seq) {
-    if constexpr (kRing) {
-      RingScratch<T, Space, Acc>& ring = s.ring;
-      const std::int64_t rows = batch * seq, Q = heads_ * head_dim_, KV = kv_heads_ * head_dim_, R = qkv_width();
-      const AttentionShape sh = shape(batch, seq);
-      for (auto& b : ring.kv) b.reserve(rows * 2 * KV);
-      for (auto& b : ring.dkv) b.reserve(rows * 2 * KV);
-      ring.dq.reserve(rows * Q);
-      ring.dsum.reserve(batch * heads_ * seq);
-      Backend::attention_dsum(ctx, ring.dsum.data(), dout, out, sh);
-      std::fill(ring.dq.data(), ring.dq.data() + rows * Q, Acc(0));
-      std::fill(ring.dkv[0].data(), ring.dkv[0].data() + rows * 2 * KV, Acc(0));
-      pack_kv(ring.kv[0].data(), qkv, rows);
-      comm::Comm& group = *cp_.communicator();
-      const auto n = static_cast<std::size_t>(rows * 2 * KV);
-      int home = 0;  // which dkv buffer holds this rank's own block at the end
-      for (int step = 0; step < cp_.size(); ++step) {
-        const int here = step % 2, there = (step + 1) % 2;
-        std::optional<comm::Comm::Request> keys;
-        if (step + 1 < cp_.size())  // the keys and values move on while this block's gradients are computed
-          keys = group.p2p_async({group.send_op(std::span<const T>(ring.kv[here].data(), n), next_rank()),
-                                  group.recv_op(std::span<T>(ring.kv[there].data(), n), prev_rank())});
-        for_each_block(step, seq, [&](const AttentionBlock& blk) {
-          Backend::attention_block_backward(ctx, ring.dq.data(), ring.dkv[here].data(), dout, qkv, ring.kv[here].data(),
-                                            lse, ring.dsum.data(), sh, blk);
-        });
-        if (keys) keys->wait();
-        // The block's gradients follow it (after the last step: home to their owner).
-        group.p2p({group.send_op(std::span<const Acc>(ring.dkv[here].data(), n), next_rank()),
-                   group.recv_op(std::span<Acc>(ring.dkv[there].data(), n), prev_rank())});
-        home = there;
-      }
-      const Acc* dq = ring.dq.data();
-      const Acc* dkv = ring.dkv[home].data();
-      for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t c = 0; c < Q; ++c) dqkv[r * R + c] = convert<T>(dq[r * Q + c]);
-        for (std::int64_t c = 0; c < 2 * KV; ++c) dqkv[r * R + Q + c] = convert<T>(dkv[r * 2 * KV + c]);
-      }
-    } else {
-      static_cast<void>(ctx), static_cast<void>(s), static_cast<void>(dqkv), static_cast<void>(dout),
-          static_cast<void>(qkv), static_cast<void>(out), static_cast<void>(lse), static_cast<void>(batch),
-          static_cast<void>(seq);
-      LLMPAR_FAIL("ring attention needs the backend's block kernels");
-    }
   }
 
   TensorParallelGroup tp_;

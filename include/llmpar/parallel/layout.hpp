@@ -36,6 +36,7 @@
 
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
+#include "llmpar/nn/context_parallel.hpp"
 #include "llmpar/parallel/compose.hpp"
 #include "llmpar/pipeline/partition.hpp"
 #include "llmpar/precision/policy.hpp"
@@ -63,14 +64,15 @@ struct DataConfig {
 inline constexpr std::string_view kScheduleNames[] = {"gpipe", "1f1b", "interleaved", "zb"};
 
 struct LayoutConfig {
-  int tp = 1;                      // tensor-parallel degree
-  bool sp = false;                 // sequence parallelism over the tp group
-  int cp = 1;                      // context-parallel degree: each sequence over cp ranks
-  int pp = 1;                      // pipeline stages
-  int dp = 1;                      // data-parallel replicas (fit_world sets it from the ranks)
-  std::string schedule = "1f1b";   // gpipe, 1f1b, interleaved (with virtual_stages), zb
-  int virtual_stages = 1;          // model chunks per pipeline rank
-  std::string partition = "even";  // even, parameters, or the layers per virtual stage ("3,3,2")
+  int tp = 1;                             // tensor-parallel degree
+  bool sp = false;                        // sequence parallelism over the tp group
+  int cp = 1;                             // context-parallel degree: each sequence over cp ranks
+  nn::CpComm cp_comm = nn::CpComm::ring;  // how attention reaches the other cp ranks' rows
+  int pp = 1;                             // pipeline stages
+  int dp = 1;                             // data-parallel replicas (fit_world sets it from the ranks)
+  std::string schedule = "1f1b";          // gpipe, 1f1b, interleaved (with virtual_stages), zb
+  int virtual_stages = 1;                 // model chunks per pipeline rank
+  std::string partition = "even";         // even, parameters, or the layers per virtual stage ("3,3,2")
   recompute::Mode recompute = recompute::Mode::none;
   int zero = 0;                  // ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters
   DType precision = DType::f32;  // f32, bf16 (BF16Mixed) or f16 (FP16Mixed with a dynamic loss scale)

@@ -212,6 +212,16 @@ struct Cpu {
   static void copy(Context&, T* dst, const T* src, std::int64_t n) {
     if (n > 0) std::memcpy(static_cast<void*>(dst), src, static_cast<std::size_t>(n) * sizeof(T));
   }
+  // dst (rows, width) = src (rows, width), rows dst_stride and src_stride elements apart
+  // (columns of one matrix into another: context parallelism's exchanges).
+  template <class T>
+  static void copy_2d(Context&, T* dst, std::int64_t dst_stride, const T* src, std::int64_t src_stride,
+                      std::int64_t rows, std::int64_t width) {
+    if (width <= 0) return;
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<void*>(dst + r * dst_stride), src + r * src_stride,
+                  static_cast<std::size_t>(width) * sizeof(T));
+  }
   // p (n) = 0, in this backend's memory (the gradients before a step).
   template <class T>
   static void zero(Context&, T* p, std::int64_t n) {

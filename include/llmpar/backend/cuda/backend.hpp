@@ -260,6 +260,17 @@ struct Cuda {
       LLMPAR_CHECK_CUDA(
           cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice, ctx.stream()));
   }
+  // dst (rows, width) = src (rows, width), rows dst_stride and src_stride elements
+  // apart, in device memory, in the compute stream's order.
+  template <class T>
+  static void copy_2d(Context& ctx, T* dst, std::int64_t dst_stride, const T* src, std::int64_t src_stride,
+                      std::int64_t rows, std::int64_t width) {
+    if (rows > 0 && width > 0)
+      LLMPAR_CHECK_CUDA(cudaMemcpy2DAsync(dst, static_cast<std::size_t>(dst_stride) * sizeof(T), src,
+                                          static_cast<std::size_t>(src_stride) * sizeof(T),
+                                          static_cast<std::size_t>(width) * sizeof(T), static_cast<std::size_t>(rows),
+                                          cudaMemcpyDeviceToDevice, ctx.stream()));
+  }
   // p (n) = 0, queued on the compute stream (the gradients before a step: no device-wide
   // wait, unlike memory::Device::zero's set-up fill).
   template <class T>
