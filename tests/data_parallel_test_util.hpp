@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -282,6 +283,42 @@ inline Difference compare(const Run& run, const Run& serial) {
     if (p > d.param) d.param = p, d.worst_param = serial.names[k];
   }
   return d;
+}
+
+// The run every layout must compute: one rank, the whole model, the same global batch
+// (dp replicas' micro-batches in one), no pipeline, context or sequence parallelism,
+// no recomputation.
+template <class Policy, class Spec = models::GPT2Spec>
+Run serial_run(Layout layout, int dp = 1) {
+  layout.micro_batch *= dp;
+  layout.cp = 1;
+  layout.pp = 1;
+  layout.chunks = 1;
+  layout.sp = false;
+  layout.schedule = "1f1b";
+  layout.recompute.reset();
+  return run_threads<Policy, Spec>(1, 1, layout);
+}
+
+// run computes the serial run: losses, norms, step 1's gradients and the final
+// parameters within `tolerance` (fp32: 1e-5).
+inline void check_close(const Run& run, const Run& reference, const std::string& what, double tolerance = 1e-5) {
+  const Difference d = compare(run, reference);
+  INFO(what << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " (" << d.worst_grad
+            << "), parameters " << d.param << " (" << d.worst_param << ")");
+  CHECK(d.loss <= tolerance);
+  CHECK(d.norm <= tolerance);
+  CHECK(d.grad <= tolerance);
+  CHECK(d.param <= tolerance);
+}
+
+// The same tensors, bit for bit.
+inline bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t k = 0; k < a.size(); ++k)
+    if (a[k].size() != b[k].size() || std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) != 0)
+      return false;
+  return true;
 }
 
 }  // namespace llmpar::dp_test

@@ -34,26 +34,10 @@ dp_test::Run run(int ranks, int tp, const dp_test::Layout& layout) {
 
 // One rank, the whole model, the same global batch (dp replicas' micro-batches in one).
 template <class Spec>
-dp_test::Run serial(dp_test::Layout layout, int dp = 1) {
-  layout.micro_batch *= dp;
-  layout.cp = 1;
-  layout.pp = 1;
-  layout.chunks = 1;
-  layout.sp = false;
-  layout.schedule = "1f1b";
-  layout.recompute.reset();
-  return run<Spec>(1, 1, layout);
+dp_test::Run serial(const dp_test::Layout& layout, int dp = 1) {
+  return dp_test::serial_run<Policy<>, Spec>(layout, dp);
 }
-
-void check_close(const dp_test::Run& got, const dp_test::Run& reference, const std::string& what) {
-  const dp_test::Difference d = dp_test::compare(got, reference);
-  INFO(what << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " (" << d.worst_grad
-            << "), parameters " << d.param << " (" << d.worst_param << ")");
-  CHECK(d.loss <= 1e-5);
-  CHECK(d.norm <= 1e-5);
-  CHECK(d.grad <= 1e-5);
-  CHECK(d.param <= 1e-5);
-}
+using dp_test::check_close;
 
 }  // namespace
 

@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -59,33 +58,11 @@ dp_test::Run llama_run(int ranks, int tp, const dp_test::Layout& layout) {
 }
 
 // One rank, the whole model, the same global batch.
-dp_test::Run serial(dp_test::Layout layout, int dp = 1) {
-  layout.micro_batch *= dp;
-  layout.pp = 1;
-  layout.chunks = 1;
-  layout.schedule = "1f1b";
-  layout.recompute.reset();
-  layout.sp = false;
-  return llama_run(1, 1, layout);
+dp_test::Run serial(const dp_test::Layout& layout, int dp = 1) {
+  return dp_test::serial_run<Policy<>, models::LlamaSpec>(layout, dp);
 }
-
-void check_close(const dp_test::Run& run, const dp_test::Run& reference, const std::string& what) {
-  const dp_test::Difference d = dp_test::compare(run, reference);
-  INFO(what << ": losses " << d.loss << ", norms " << d.norm << ", gradients " << d.grad << " (" << d.worst_grad
-            << "), parameters " << d.param << " (" << d.worst_param << ")");
-  CHECK(d.loss <= 1e-5);
-  CHECK(d.norm <= 1e-5);
-  CHECK(d.grad <= 1e-5);
-  CHECK(d.param <= 1e-5);
-}
-
-bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t k = 0; k < a.size(); ++k)
-    if (a[k].size() != b[k].size() || std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) != 0)
-      return false;
-  return true;
-}
+using dp_test::check_close;
+using dp_test::same_bits;
 
 }  // namespace
 
