@@ -170,6 +170,84 @@ inline void unpack_rows(T* LLMPAR_RESTRICT dst, const Acc* LLMPAR_RESTRICT src, 
   }
 }
 
+// The ni rows of a query tile (q, (ni, hs)) folded over one key tile of nj keys (kt,
+// (hs, kTile) transposed; v, (nj, hs)): each row's scores, its running max and sum
+// (state, rescaled when the tile raises the max) and its unnormalised output (o,
+// (ni, hs)). Causal: row r sees the tile's keys up to diag + r (diag = the query
+// tile's first position minus the key tile's). s: (kTile) one row's scores. The
+// whole-sequence forward and the block forward (attention_block.hpp) share it.
+template <int kHs, class Acc>
+inline void forward_key_tile(Acc* LLMPAR_RESTRICT o, math::OnlineSoftmax<Acc>* LLMPAR_RESTRICT state,
+                             const Acc* LLMPAR_RESTRICT q, const Acc* LLMPAR_RESTRICT kt, const Acc* LLMPAR_RESTRICT v,
+                             Acc* LLMPAR_RESTRICT s, std::int64_t ni, std::int64_t nj, std::int64_t hs, Acc scale,
+                             bool causal, std::int64_t diag) {
+  for (std::int64_t r = 0; r < ni; ++r) {
+    const std::int64_t n = causal ? std::min(nj, diag + r + 1) : nj;
+    dot_cols<kHs>(s, q + r * hs, kt, n, hs, scale);
+    Acc tile_max = s[0];
+#pragma omp simd reduction(max : tile_max)
+    for (std::int64_t c = 0; c < n; ++c) tile_max = std::max(tile_max, s[c]);
+    math::OnlineSoftmax<Acc>& st = state[r];
+    Acc* LLMPAR_RESTRICT orow = o + r * hs;
+    if (tile_max > st.max) {
+      const Acc factor = st.rescale(tile_max);
+#pragma omp simd
+      for (std::int64_t d = 0; d < hs; ++d) orow[d] *= factor;
+    }
+    const Acc m = st.max;
+    Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t c = 0; c < n; ++c) {
+      s[c] = math::exp(s[c] - m);
+      sum += s[c];
+    }
+    st.sum += sum;
+    axpy_rows<kHs>(orow, s, v, n, hs);
+  }
+}
+
+// One (query tile [i0, i0 + ni), key tile [j0, j0 + nj)) pair of one query head's
+// backward: dq += ds k scale for the tile's rows, dv += p dout and dk += ds q scale for
+// its keys. q, go (dout), dq: (rows, hs) and lse, D: (rows) of the head, by row; k, dk,
+// dv: (keys, hs) by key; kt, vt: the key tile's k and v transposed. Causal: row i sees
+// keys up to i (i0 >= j0). p, dp: (kTile) one row's; pt, dst: (kTile keys, kTile rows).
+// The whole-sequence backward and the block backward share it.
+template <int kHs, class Acc>
+inline void backward_tile_pair(Acc* LLMPAR_RESTRICT dq, Acc* LLMPAR_RESTRICT dk, Acc* LLMPAR_RESTRICT dv,
+                               const Acc* LLMPAR_RESTRICT q, const Acc* LLMPAR_RESTRICT go,
+                               const Acc* LLMPAR_RESTRICT k, const Acc* LLMPAR_RESTRICT kt,
+                               const Acc* LLMPAR_RESTRICT vt, const Acc* LLMPAR_RESTRICT lse,
+                               const Acc* LLMPAR_RESTRICT D, Acc* LLMPAR_RESTRICT p, Acc* LLMPAR_RESTRICT dp,
+                               Acc* LLMPAR_RESTRICT pt, Acc* LLMPAR_RESTRICT dst, std::int64_t i0, std::int64_t ni,
+                               std::int64_t j0, std::int64_t nj, std::int64_t hs, Acc scale, bool causal) {
+  const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
+  for (std::int64_t r = 0; r < ni; ++r) {
+    const std::int64_t i = i0 + r;
+    const std::int64_t n = causal ? std::min(nj, i - j0 + 1) : nj;  // causal: keys j0 .. i
+    dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
+    dot_cols<kHs>(dp, go + i * hs, vt, n, hs, Acc(1));
+    const Acc l = lse[i];
+    const Acc Di = D[i];
+#pragma omp simd
+    for (std::int64_t c = 0; c < n; ++c) {
+      p[c] = math::exp(p[c] - l);
+      dp[c] = p[c] * (dp[c] - Di) * scale;
+    }
+    axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);
+    for (std::int64_t c = 0; c < n; ++c) {
+      pt[c * kTile + r] = p[c];
+      dst[c * kTile + r] = dp[c];
+    }
+  }
+  // Key c of this tile is seen by rows r >= c - (i0 - j0) of the query tile (causal).
+  for (std::int64_t c = 0; c < nj; ++c) {
+    const std::int64_t r0 = causal ? std::max<std::int64_t>(0, j0 + c - i0) : 0;
+    if (r0 >= ni) continue;
+    axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, go + (i0 + r0) * hs, ni - r0, hs);
+    axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
+  }
+}
+
 // One query tile [i0, i0 + ni) of query head h of batch b. scratch: 4 * kTile * hs + kTile.
 template <int kHs, class T>
 void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T* LLMPAR_RESTRICT qkv, std::int64_t b,
@@ -197,29 +275,7 @@ void forward_tile(T* LLMPAR_RESTRICT out, acc_t<T>* LLMPAR_RESTRICT lse, const T
     const std::int64_t nj = std::min(kTile, T_len - j0);
     pack_transposed(kt, kh + j0 * R, nj, hs, R);
     pack_rows(v, vh + j0 * R, nj, hs, R);
-    for (std::int64_t r = 0; r < ni; ++r) {
-      const std::int64_t n = std::min(nj, i0 + r - j0 + 1);  // causal: keys j0 .. i0 + r
-      dot_cols<kHs>(s, q + r * hs, kt, n, hs, scale);
-      Acc tile_max = s[0];
-#pragma omp simd reduction(max : tile_max)
-      for (std::int64_t c = 0; c < n; ++c) tile_max = std::max(tile_max, s[c]);
-      math::OnlineSoftmax<Acc>& st = state[r];
-      Acc* LLMPAR_RESTRICT orow = o + r * hs;
-      if (tile_max > st.max) {
-        const Acc factor = st.rescale(tile_max);
-#pragma omp simd
-        for (std::int64_t d = 0; d < hs; ++d) orow[d] *= factor;
-      }
-      const Acc m = st.max;
-      Acc sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (std::int64_t c = 0; c < n; ++c) {
-        s[c] = math::exp(s[c] - m);
-        sum += s[c];
-      }
-      st.sum += sum;
-      axpy_rows<kHs>(orow, s, v, n, hs);
-    }
+    forward_key_tile<kHs>(o, state, q, kt, v, s, ni, nj, hs, scale, true, i0 - j0);  // causal: keys j0 .. i0 + r
   }
   for (std::int64_t r = 0; r < ni; ++r) {
     const Acc inv = Acc(1) / state[r].sum;
@@ -303,37 +359,11 @@ void backward_kv_head(T* LLMPAR_RESTRICT dqkv, const T* LLMPAR_RESTRICT dout, co
 
     for (std::int64_t j0 = 0; j0 < T_len; j0 += kTile) {
       const std::int64_t nj = std::min(kTile, T_len - j0);
-      const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
       pack_transposed(kt, kh + j0 * R, nj, hs, R);
       pack_transposed(vt, vh + j0 * R, nj, hs, R);
-      for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile) {
-        const std::int64_t ni = std::min(kTile, T_len - i0);
-        for (std::int64_t r = 0; r < ni; ++r) {
-          const std::int64_t i = i0 + r;
-          const std::int64_t n = std::min(nj, i - j0 + 1);  // causal: keys j0 .. i
-          dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
-          dot_cols<kHs>(dp, go + i * hs, vt, n, hs, Acc(1));
-          const Acc l = lse_head[i];
-          const Acc Di = D[i];
-#pragma omp simd
-          for (std::int64_t c = 0; c < n; ++c) {
-            p[c] = math::exp(p[c] - l);
-            dp[c] = p[c] * (dp[c] - Di) * scale;
-          }
-          axpy_rows<kHs>(dq + i * hs, dp, kj, n, hs);
-          for (std::int64_t c = 0; c < n; ++c) {
-            pt[c * kTile + r] = p[c];
-            dst[c * kTile + r] = dp[c];
-          }
-        }
-        // Key c of this tile is seen by rows r >= c - (i0 - j0) of the query tile.
-        for (std::int64_t c = 0; c < nj; ++c) {
-          const std::int64_t r0 = std::max<std::int64_t>(0, j0 + c - i0);
-          if (r0 >= ni) continue;
-          axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, go + (i0 + r0) * hs, ni - r0, hs);
-          axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
-        }
-      }
+      for (std::int64_t i0 = j0; i0 < T_len; i0 += kTile)
+        backward_tile_pair<kHs>(dq, dk, dv, q, go, k, kt, vt, lse_head, D, p, dp, pt, dst, i0,
+                                std::min(kTile, T_len - i0), j0, nj, hs, scale, true);
     }
     unpack_rows(drows + shape.q_col(h), dq, T_len, hs, R);
   }

@@ -19,10 +19,11 @@
 // query head h reads kv head h % kv_heads. The block's rows are [q_first, q_first + len)
 // of the queries' S rows per sequence and [kv_first, kv_first + len) of the keys' kv_seq.
 //
-// Work is cut as in backend/cpu/attention.hpp (the same tiles, row kernels and exp),
-// with the same determinism: a forward task owns a (b, h, query tile), a backward task a
-// (b, kv head) and its group's query heads, so nothing races and the result does not
-// depend on the thread count. Blocks are accumulated in the order the caller passes them.
+// Work is cut as in backend/cpu/attention.hpp, whose tile functions (forward_key_tile,
+// backward_tile_pair) do the arithmetic of both, with the same determinism: a forward
+// task owns a (b, h, query tile), a backward task a (b, kv head) and its group's query
+// heads, so nothing races and the result does not depend on the thread count. Blocks
+// are accumulated in the order the caller passes them.
 #pragma once
 
 #include <omp.h>
@@ -79,29 +80,7 @@ void block_forward_tile(const AttentionState<acc_t<T>>& st, const T* LLMPAR_REST
     const std::int64_t nj = std::min(kTile, blk.len - j0);
     pack_transposed(kt, kh + j0 * blk.kv_stride, nj, hs, blk.kv_stride);
     pack_rows(v, vh + j0 * blk.kv_stride, nj, hs, blk.kv_stride);
-    for (std::int64_t r = 0; r < ni; ++r) {
-      const std::int64_t n = blk.causal ? std::min(nj, i0 + r - j0 + 1) : nj;  // causal: keys j0 .. i0 + r
-      dot_cols<kHs>(s, q + r * hs, kt, n, hs, scale);
-      Acc tile_max = s[0];
-#pragma omp simd reduction(max : tile_max)
-      for (std::int64_t c = 0; c < n; ++c) tile_max = std::max(tile_max, s[c]);
-      math::OnlineSoftmax<Acc>& sm = state[r];
-      Acc* LLMPAR_RESTRICT orow = o + r * hs;
-      if (tile_max > sm.max) {
-        const Acc factor = sm.rescale(tile_max);
-#pragma omp simd
-        for (std::int64_t d = 0; d < hs; ++d) orow[d] *= factor;
-      }
-      const Acc mx = sm.max;
-      Acc sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (std::int64_t c = 0; c < n; ++c) {
-        s[c] = math::exp(s[c] - mx);
-        sum += s[c];
-      }
-      sm.sum += sum;
-      axpy_rows<kHs>(orow, s, v, n, hs);
-    }
+    forward_key_tile<kHs>(o, state, q, kt, v, s, ni, nj, hs, scale, blk.causal, i0 - j0);
   }
   for (std::int64_t r = 0; r < ni; ++r) {
     std::copy(o + r * hs, o + (r + 1) * hs, o_rows + r * Q);
@@ -154,41 +133,11 @@ void block_backward_kv_head(acc_t<T>* LLMPAR_RESTRICT dq, acc_t<T>* LLMPAR_RESTR
     std::fill(dqh, dqh + L * hs, Acc(0));
     for (std::int64_t j0 = 0; j0 < L; j0 += kTile) {
       const std::int64_t nj = std::min(kTile, L - j0);
-      const Acc* LLMPAR_RESTRICT kj = k + j0 * hs;  // (nj, hs)
       pack_transposed(kt, kh + j0 * blk.kv_stride, nj, hs, blk.kv_stride);
       pack_transposed(vt, vh + j0 * blk.kv_stride, nj, hs, blk.kv_stride);
-      for (std::int64_t i0 = blk.causal ? j0 : 0; i0 < L; i0 += kTile) {
-        const std::int64_t ni = std::min(kTile, L - i0);
-        for (std::int64_t r = 0; r < ni; ++r) {
-          const std::int64_t i = i0 + r;
-          const std::int64_t n = blk.causal ? std::min(nj, std::max<std::int64_t>(0, i - j0 + 1)) : nj;
-          if (n == 0) {
-            for (std::int64_t c = 0; c < nj; ++c) pt[c * kTile + r] = dst[c * kTile + r] = Acc(0);
-            continue;
-          }
-          dot_cols<kHs>(p, q + i * hs, kt, n, hs, scale);
-          dot_cols<kHs>(dp, go + i * hs, vt, n, hs, Acc(1));
-          const Acc lv = lse_h[i];
-          const Acc Di = D[i];
-#pragma omp simd
-          for (std::int64_t c = 0; c < n; ++c) {
-            p[c] = math::exp(p[c] - lv);
-            dp[c] = p[c] * (dp[c] - Di) * scale;
-          }
-          axpy_rows<kHs>(dqh + i * hs, dp, kj, n, hs);
-          for (std::int64_t c = 0; c < n; ++c) {
-            pt[c * kTile + r] = p[c];
-            dst[c * kTile + r] = dp[c];
-          }
-        }
-        // Key c of this tile is seen by rows r >= r0 of the query tile.
-        for (std::int64_t c = 0; c < nj; ++c) {
-          const std::int64_t r0 = blk.causal ? std::max<std::int64_t>(0, j0 + c - i0) : 0;
-          if (r0 >= ni) continue;
-          axpy_rows<kHs>(dv + (j0 + c) * hs, pt + c * kTile + r0, go + (i0 + r0) * hs, ni - r0, hs);
-          axpy_rows<kHs>(dk + (j0 + c) * hs, dst + c * kTile + r0, q + (i0 + r0) * hs, ni - r0, hs);
-        }
-      }
+      for (std::int64_t i0 = blk.causal ? j0 : 0; i0 < L; i0 += kTile)
+        backward_tile_pair<kHs>(dqh, dk, dv, q, go, k, kt, vt, lse_h, D, p, dp, pt, dst, i0, std::min(kTile, L - i0),
+                                j0, nj, hs, scale, blk.causal);
     }
     Acc* LLMPAR_RESTRICT dq_rows = dq + qrow0 * Q + h * hs;
     for (std::int64_t i = 0; i < L; ++i)
