@@ -1,7 +1,10 @@
 // The CPU RMSNorm kernel (backend/cpu/rmsnorm.hpp): forward against a naive long double
 // reference, backward against central finite differences of the double instantiation,
 // the float instantiation against the double one, bf16 storage against the float
-// kernel, bitwise independence of the OpenMP thread count, and the shape errors.
+// kernel, bitwise independence of the OpenMP thread count, and the shape errors. The
+// kernels fused with the residual add (residual_rmsnorm_forward, _backward) bit for bit
+// against the unfused sequences they replace, and models::PreNormBlock of Llama's parts,
+// which uses them, bit for bit against the same block running the unfused calls.
 #include <doctest/doctest.h>
 #include <omp.h>
 
@@ -12,14 +15,21 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernel_test_util.hpp"
+#include "llmpar/backend/cpu/backend.hpp"
 #include "llmpar/backend/cpu/common.hpp"
+#include "llmpar/backend/cpu/elementwise.hpp"
 #include "llmpar/backend/cpu/rmsnorm.hpp"
 #include "llmpar/core/dtype.hpp"
 #include "llmpar/core/error.hpp"
 #include "llmpar/core/rng.hpp"
+#include "llmpar/models/gpt2.hpp"
+#include "llmpar/models/llama.hpp"
+#include "llmpar/nn/parameter.hpp"
+#include "llmpar/nn/rmsnorm.hpp"
 
 using namespace llmpar;
 namespace cpu = llmpar::backend::cpu;
@@ -66,8 +76,7 @@ void rmsnorm_reference(std::vector<double>& out, std::vector<double>& rstd, cons
 
 TEST_CASE_TEMPLATE("rmsnorm_forward matches the naive reference, on ragged shapes", T, double, float) {
   const double tol = std::is_same_v<T, double> ? 1e-13 : 2e-6;
-  for (const Dims s :
-       {Dims{1, 1}, Dims{1, 7}, Dims{3, 13}, Dims{2, 64}, Dims{5, 257}, Dims{4, 300}, Dims{2, 1029}}) {
+  for (const Dims s : {Dims{1, 1}, Dims{1, 7}, Dims{3, 13}, Dims{2, 64}, Dims{5, 257}, Dims{4, 300}, Dims{2, 1029}}) {
     CAPTURE(s.rows);
     CAPTURE(s.C);
     const std::string tag = std::to_string(s.rows) + "x" + std::to_string(s.C);
@@ -193,6 +202,161 @@ TEST_CASE("bf16 storage: rmsnorm rounds the float kernel's result") {
     const int d = static_cast<int>(out_b[i].bits) - static_cast<int>(bf16(out_f[i]).bits);
     REQUIRE((d >= -1 && d <= 1));
   }
+}
+
+namespace {
+
+template <class T>
+void append(std::vector<double>& all, const std::vector<T>& v) {
+  const auto d = to_double(v);
+  all.insert(all.end(), d.begin(), d.end());
+}
+
+// The fused kernels, or the unfused sequences they replace (models::PreNormBlock's calls
+// before the fusion: add_inplace then rmsnorm_forward; rmsnorm_backward then
+// add_inplace), on the same inputs: every output (the residual sum, out, rstd, dx,
+// dweight accumulated onto 0.25), widened exactly, so that equal bits are equal vectors.
+template <class T>
+std::vector<double> residual_rmsnorm_run(std::int64_t rows, std::int64_t C, bool fused, int threads) {
+  using Acc = cpu::acc_t<T>;
+  const std::string tag = std::to_string(rows) + "x" + std::to_string(C);
+  std::vector<T> residual = cast_to<T>(random_normal(rows * C, "rmsr.residual." + tag, 2.0, 0.5));
+  const auto delta = cast_to<T>(random_normal(rows * C, "rmsr.delta." + tag));
+  const auto w = cast_to<T>(random_normal(C, "rmsr.w." + tag, 0.3, 1.0));
+  const auto dout = cast_to<T>(random_normal(rows * C, "rmsr.dout." + tag));
+  const auto dresidual = cast_to<T>(random_normal(rows * C, "rmsr.dresidual." + tag));
+  std::vector<T> out(residual.size()), dx = cast_to<T>(random_normal(rows * C, "rmsr.garbage." + tag));
+  std::vector<Acc> rstd(static_cast<std::size_t>(rows)), dw(static_cast<std::size_t>(C), Acc(0.25));
+  with_threads(threads, [&] {
+    if (fused) {
+      cpu::residual_rmsnorm_forward(out.data(), rstd.data(), residual.data(), delta.data(), w.data(), rows, C);
+      cpu::residual_rmsnorm_backward(dx.data(), dw.data(), dout.data(), dresidual.data(), residual.data(), w.data(),
+                                     rstd.data(), rows, C);
+    } else {
+      cpu::add_inplace(residual.data(), delta.data(), rows * C);
+      cpu::rmsnorm_forward(out.data(), rstd.data(), residual.data(), w.data(), rows, C);
+      cpu::rmsnorm_backward(dx.data(), dw.data(), dout.data(), residual.data(), w.data(), rstd.data(), rows, C);
+      cpu::add_inplace(dx.data(), dresidual.data(), rows * C);
+    }
+  });
+  std::vector<double> all;
+  append(all, residual);
+  append(all, out);
+  append(all, rstd);
+  append(all, dx);
+  append(all, dw);
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "residual_rmsnorm_forward and _backward are add_inplace + rmsnorm_forward and rmsnorm_backward + add_inplace, bit "
+    "for bit, on ragged shapes and for 1 and 3 OpenMP threads",
+    T, float, bf16, f16, double) {
+  // The last shape is enough work to go parallel (and 3+ column tiles in backward).
+  REQUIRE(std::int64_t{515} * 200 >= cpu::kMinParallelWork);
+  for (const Dims s : {Dims{1, 1}, Dims{1, 7}, Dims{3, 13}, Dims{2, 64}, Dims{5, 257}, Dims{2, 1029}, Dims{515, 200}}) {
+    CAPTURE(s.rows);
+    CAPTURE(s.C);
+    const std::vector<double> unfused = residual_rmsnorm_run<T>(s.rows, s.C, false, 1);
+    for (const int threads : {1, 3}) {
+      CAPTURE(threads);
+      const std::vector<double> fused = residual_rmsnorm_run<T>(s.rows, s.C, true, threads);
+      CHECK(bitwise_equal(fused, unfused));
+    }
+  }
+  // dresidual is the residual stream's gradient and must be given.
+  std::vector<T> v(4);
+  std::vector<cpu::acc_t<T>> a(4);
+  CHECK_THROWS_WITH_AS(cpu::residual_rmsnorm_backward(v.data(), a.data(), v.data(), static_cast<const T*>(nullptr),
+                                                      v.data(), v.data(), a.data(), 1, 4),
+                       doctest::Contains("residual_rmsnorm_backward: dresidual is null"), Error);
+  CHECK_THROWS_WITH_AS(cpu::residual_rmsnorm_forward(v.data(), a.data(), v.data(), v.data(), v.data(), 1, 0),
+                       doctest::Contains("residual_rmsnorm_forward: rows = 1, C = 0"), Error);
+}
+
+namespace {
+
+// nn::RMSNorm without forward_residual and backward_residual: models::PreNormBlock then
+// runs the residual adds as passes of their own, as it did before the fusion.
+template <class T>
+class UnfusedRMSNorm {
+ public:
+  using Saved = typename nn::RMSNorm<T>::Saved;
+  explicit UnfusedRMSNorm(nn::RMSNorm<T> norm) : norm_(std::move(norm)) {}
+  void forward(backend::cpu::Context& ctx, Saved& saved, T* out, const T* x, std::int64_t rows) {
+    norm_.forward(ctx, saved, out, x, rows);
+  }
+  void backward(backend::cpu::Context& ctx, const Saved& saved, T* dx, const T* dout, const T* x, std::int64_t rows) {
+    norm_.backward(ctx, saved, dx, dout, x, rows);
+  }
+  template <class Visit>
+  void parameters(Visit&& visit) {
+    norm_.parameters(visit);
+  }
+
+ private:
+  nn::RMSNorm<T> norm_;
+};
+
+template <class T>
+struct UnfusedLlamaParts : models::LlamaParts<T, backend::Cpu> {
+  using Base = models::LlamaParts<T, backend::Cpu>;
+  using Norm = UnfusedRMSNorm<T>;
+  static Norm attention_norm(const std::string& block, const models::LlamaConfig& cfg) {
+    return Norm(Base::attention_norm(block, cfg));
+  }
+  static Norm mlp_norm(const std::string& block, const models::LlamaConfig& cfg) {
+    return Norm(Base::mlp_norm(block, cfg));
+  }
+};
+
+// Forward and backward of one block on two micro-batches in flight: the outputs, the
+// input gradients and the parameter gradients, widened exactly.
+template <class Block, class T>
+std::vector<double> block_run() {
+  backend::cpu::Context ctx;
+  models::LlamaConfig cfg{.layers = 2, .heads = 4, .kv_heads = 2, .dim = 64, .ffn_dim = 160, .max_seq = 32};
+  cfg.init_std = 0.2f;
+  Block block("layers.0", cfg);
+  nn::ParameterStore<T> store;
+  store.bind(block);
+  store.initialize(5);
+  const std::int64_t B = 2, S = 16, n = B * S * cfg.dim;
+  std::vector<T> x[2], dout[2], out[2], dx[2];
+  typename Block::Saved saved[2];
+  for (int m = 0; m < 2; ++m) {
+    x[m] = cast_to<T>(random_normal(n, "block.x." + std::to_string(m)));
+    dout[m] = cast_to<T>(random_normal(n, "block.dout." + std::to_string(m)));
+    out[m].resize(static_cast<std::size_t>(n));
+    dx[m].resize(static_cast<std::size_t>(n));
+    block.forward(ctx, saved[m], out[m].data(), x[m].data(), B, S);
+  }
+  for (int m = 0; m < 2; ++m) block.backward(ctx, saved[m], dx[m].data(), dout[m].data(), x[m].data(), B, S);
+  std::vector<double> all;
+  for (int m = 0; m < 2; ++m) {
+    append(all, out[m]);
+    append(all, dx[m]);
+  }
+  for (std::int64_t i = 0; i < store.flat_size(); ++i) all.push_back(static_cast<double>(store.grads()[i]));
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "PreNormBlock of Llama's parts fuses the residual adds into its RMSNorms and computes the unfused block's "
+    "outputs, input gradients and parameter gradients bit for bit",
+    T, float, bf16) {
+  using Fused = models::LlamaBlock<T>;
+  using Unfused = models::PreNormBlock<UnfusedLlamaParts<T>, T, backend::Cpu>;
+  static_assert(Fused::kFusedResidual, "nn::RMSNorm on the CPU backend has forward_residual and backward_residual");
+  static_assert(!Unfused::kFusedResidual, "the wrapper hides them, so the block falls back to the unfused calls");
+  static_assert(!models::GPT2Block<T>::kFusedResidual, "GPT-2's LayerNorm blocks keep their unfused adds");
+  const std::vector<double> fused = block_run<Fused, T>(), unfused = block_run<Unfused, T>();
+  CHECK(bitwise_equal(fused, unfused));
+  CHECK(std::any_of(fused.begin(), fused.end(), [](double v) { return v != 0.0; }));
 }
 
 TEST_CASE("rmsnorm rejects shapes and eps it cannot normalize, naming the value") {

@@ -10,6 +10,7 @@
 //   struct Parts {
 //     using Config = ...;                     // the model's config (models::Transformer's Spec)
 //     using Norm = ...;                       // nn::LayerNorm, nn::RMSNorm: forward(ctx, saved, out, x, rows)
+//                                             // (and, optionally, forward_residual, backward_residual)
 //     using Attention = ...;                  // nn::SelfAttention<T, Backend, Positions>, or a user's
 //     using Mlp = ...;                        // nn::Mlp<T, Backend, Activation>, or a user's
 //     static Norm attention_norm(const std::string& block, const Config&);
@@ -27,7 +28,11 @@
 //    a model): the gradients between the parts live in its c0 and c1;
 //  - the zero-bubble schedule's split backward (Deferred, backward_weights), when both
 //    parts have it;
-//  - selective recomputation, when the attention has it.
+//  - selective recomputation, when the attention has it;
+//  - the residual adds fused into the norms (one pass over the rows instead of two),
+//    when the Norm has forward_residual and backward_residual (nn::RMSNorm does;
+//    nn::LayerNorm does not, and its blocks run the adds as separate passes). The fused
+//    calls compute the unfused ones' bits.
 // The numbers are the parts' own: GPT-2's block computes what it computed as one class,
 // bit for bit.
 #pragma once
@@ -63,6 +68,14 @@ concept DefersWeights = TakesScratch<Part, T, Space> &&
   p.backward_weights(ctx, sv, d, x, std::int64_t{}, std::int64_t{});
 };
 
+// A norm that takes the residual add around it (nn::RMSNorm): residual += delta, then
+// out = norm(residual); and dx = norm backward(dout) + dresidual.
+template <class Norm, class T, class Context>
+concept FusesResidualAdd = requires(Norm& n, typename Norm::Saved& sv, Context& ctx, T* y, const T* x) {
+  n.forward_residual(ctx, sv, y, y, x, std::int64_t{});
+  n.backward_residual(ctx, sv, y, x, x, x, std::int64_t{});
+};
+
 template <class Attention, class Mlp, bool kDefers>
 struct PartsDeferred {
   struct type {
@@ -93,6 +106,7 @@ class PreNormBlock {
   static constexpr bool kSharedScratch =
       detail::TakesScratch<Attention, T, Space> && detail::TakesScratch<Mlp, T, Space>;
   static constexpr bool kDefers = detail::DefersWeights<Attention, T, Space> && detail::DefersWeights<Mlp, T, Space>;
+  static constexpr bool kFusedResidual = detail::FusesResidualAdd<Norm, T, Context>;
 
   // What forward keeps for backward, one per micro-batch in flight (nn/layer.hpp).
   // Rl = B·S, or B·S / tp under sequence parallelism.
@@ -145,8 +159,7 @@ class PreNormBlock {
     s.reserve(rows, C, tp_.sequence_parallel());
     norm1_.forward(ctx, sv.norm1, sv.norm1_out.data(), x, local);
     part_forward(attn_, ctx, sv.attn, sv.x_mid.data(), sv.norm1_out.data(), batch, seq, s);
-    Backend::add_inplace(ctx, sv.x_mid.data(), x, local * C);
-    norm2_.forward(ctx, sv.norm2, sv.norm2_out.data(), sv.x_mid.data(), local);
+    add_and_norm(norm2_, ctx, sv.norm2, sv.norm2_out.data(), sv.x_mid.data(), x, local);  // x_mid += x
     part_forward(mlp_, ctx, sv.mlp, out, sv.norm2_out.data(), batch, seq, s);
     Backend::add_inplace(ctx, out, sv.x_mid.data(), local * C);
   }
@@ -169,16 +182,14 @@ class PreNormBlock {
       mlp_.backward(ctx, sv.mlp, s.c0.data(), dout, sv.norm2_out.data(), batch, seq, s);
     }
     T* dx_mid = s.c1.data();
-    norm2_.backward(ctx, sv.norm2, dx_mid, s.c0.data(), sv.x_mid.data(), local);
-    Backend::add_inplace(ctx, dx_mid, dout, local * C);  // the residual path
+    norm_backward_add(norm2_, ctx, sv.norm2, dx_mid, s.c0.data(), dout, sv.x_mid.data(), local);  // + the residual path
     if constexpr (kDefers) {
       attn_.backward(ctx, sv.attn, s.c0.data(), dx_mid, sv.norm1_out.data(), batch, seq, s,
                      defer ? &defer->attn : nullptr);
     } else {
       attn_.backward(ctx, sv.attn, s.c0.data(), dx_mid, sv.norm1_out.data(), batch, seq, s);
     }
-    norm1_.backward(ctx, sv.norm1, dx, s.c0.data(), x, local);
-    Backend::add_inplace(ctx, dx, dx_mid, local * C);  // the residual path
+    norm_backward_add(norm1_, ctx, sv.norm1, dx, s.c0.data(), dx_mid, x, local);  // + the residual path
   }
 
   // The weight pass after backward(..., defer): the parts' weight gradients in the
@@ -199,11 +210,9 @@ class PreNormBlock {
       s.c0.reserve(local * C);
       s.c1.reserve(local * C);
       mlp_.backward(ctx, sv.mlp, s.c0.data(), dout, sv.norm2_out.data(), batch, seq);
-      norm2_.backward(ctx, sv.norm2, s.c1.data(), s.c0.data(), sv.x_mid.data(), local);
-      Backend::add_inplace(ctx, s.c1.data(), dout, local * C);
+      norm_backward_add(norm2_, ctx, sv.norm2, s.c1.data(), s.c0.data(), dout, sv.x_mid.data(), local);
       attn_.backward(ctx, sv.attn, s.c0.data(), s.c1.data(), sv.norm1_out.data(), batch, seq);
-      norm1_.backward(ctx, sv.norm1, dx, s.c0.data(), x, local);
-      Backend::add_inplace(ctx, dx, s.c1.data(), local * C);
+      norm_backward_add(norm1_, ctx, sv.norm1, dx, s.c0.data(), s.c1.data(), x, local);
     }
   }
 
@@ -230,6 +239,28 @@ class PreNormBlock {
       part.forward(ctx, sv, out, x, batch, seq);
   }
   Scratch& scratch() { return shared_ != nullptr ? *shared_ : own_scratch_; }
+
+  // residual (rows, C) += delta, then out = norm(residual): one pass where the norm fuses them.
+  void add_and_norm(Norm& norm, Context& ctx, typename Norm::Saved& sv, T* out, T* residual, const T* delta,
+                    std::int64_t rows) {
+    if constexpr (kFusedResidual) {
+      norm.forward_residual(ctx, sv, out, residual, delta, rows);
+    } else {
+      Backend::add_inplace(ctx, residual, delta, rows * dim_);
+      norm.forward(ctx, sv, out, residual, rows);
+    }
+  }
+  // dx (rows, C) = norm backward(dout) + dresidual (x fed the norm and the residual
+  // stream): one pass where the norm fuses them.
+  void norm_backward_add(Norm& norm, Context& ctx, const typename Norm::Saved& sv, T* dx, const T* dout,
+                         const T* dresidual, const T* x, std::int64_t rows) {
+    if constexpr (kFusedResidual) {
+      norm.backward_residual(ctx, sv, dx, dout, dresidual, x, rows);
+    } else {
+      norm.backward(ctx, sv, dx, dout, x, rows);
+      Backend::add_inplace(ctx, dx, dresidual, rows * dim_);
+    }
+  }
 
   nn::TensorParallelGroup tp_;
   std::int64_t dim_;

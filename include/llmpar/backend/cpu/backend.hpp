@@ -84,6 +84,19 @@ struct Cpu {
                                const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
     cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, rows, C);
   }
+  // The residual add fused into the norm (backend/cpu/rmsnorm.hpp): residual += delta,
+  // out = RMSNorm(residual); and dx = RMSNorm backward(dout) + dresidual. Bitwise the
+  // unfused add_inplace and rmsnorm calls.
+  template <class T>
+  static void residual_rmsnorm_forward(Context&, T* out, Acc<T>* rstd, T* residual, const T* delta, const T* weight,
+                                       std::int64_t rows, std::int64_t C, float eps) {
+    cpu::residual_rmsnorm_forward(out, rstd, residual, delta, weight, rows, C, eps);
+  }
+  template <class T>
+  static void residual_rmsnorm_backward(Context&, T* dx, Acc<T>* dweight, const T* dout, const T* dresidual, const T* x,
+                                        const T* weight, const Acc<T>* rstd, std::int64_t rows, std::int64_t C) {
+    cpu::residual_rmsnorm_backward(dx, dweight, dout, dresidual, x, weight, rstd, rows, C);
+  }
   template <class T>
   static void attention_forward(Context&, T* out, Acc<T>* lse, const T* qkv, const AttentionShape& shape) {
     cpu::attention_forward(out, lse, qkv, shape);

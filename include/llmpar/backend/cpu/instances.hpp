@@ -50,6 +50,10 @@
   MODE template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, std::int64_t, std::int64_t, float);         \
   MODE template void rmsnorm_backward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const acc_t<T>*, std::int64_t,   \
                                          std::int64_t);                                                                \
+  MODE template void residual_rmsnorm_forward<T>(T*, acc_t<T>*, T*, const T*, const T*, std::int64_t, std::int64_t,    \
+                                                 float);                                                               \
+  MODE template void residual_rmsnorm_backward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const T*,               \
+                                                  const acc_t<T>*, std::int64_t, std::int64_t);                        \
   MODE template void attention_forward<T>(T*, acc_t<T>*, const T*, const AttentionShape&);                             \
   MODE template void attention_backward<T>(T*, const T*, const T*, const T*, const acc_t<T>*, const AttentionShape&);  \
   MODE template void gelu_forward<T>(T*, const T*, std::int64_t);                                                      \
