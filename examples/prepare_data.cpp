@@ -8,7 +8,8 @@
 // byte tokenizer (vocab 256). Text files are split per file (the last --val-fraction of
 // each, from a line start, is validation); the corpora are split by whole documents, a
 // fortune or a manual page (every 10th for 0.1). Both shards are always written, so a
-// rerun never leaves a stale one.
+// rerun never leaves a stale one. The shards are version 1 (uint16 tokens), or version 2
+// (uint32) with --token-bits 32, the format of vocabularies above 65536.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <exception>
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
     std::string corpus_name;
     std::string fortunes_dir = data::kDefaultFortunesDir;
     std::vector<std::string> files;
+    int token_bits = 16;
     app.add_option("--out", out, "Output prefix: writes PREFIX_train.bin and PREFIX_val.bin")->required();
     app.add_option("--val-fraction", val_fraction, "Fraction of the text kept for validation, in [0, 1)")
         ->capture_default_str();
@@ -52,6 +54,11 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"fortunes", "docs"}));
     app.add_flag("--fortunes", fortunes, "Same as --corpus fortunes");
     app.add_option("--fortunes-dir", fortunes_dir, "Directory of fortune files (implies --fortunes)")
+        ->capture_default_str();
+    app.add_option("--token-bits", token_bits,
+                   "Bits a token takes in the shards: 16 (llm.c's version 1) or 32 (version 2, for vocabularies "
+                   "above 65536)")
+        ->check(CLI::IsMember({16, 32}))
         ->capture_default_str();
     app.add_option("files", files, "Text files to tokenize");
     CLI11_PARSE(app, argc, argv);
@@ -108,11 +115,13 @@ int main(int argc, char** argv) {
     if (prefix.has_parent_path()) std::filesystem::create_directories(prefix.parent_path());
     const std::string train_path = out + "_train.bin";
     const std::string val_path = out + "_val.bin";
-    data::write_shard(train_path, corpus.train);
-    data::write_shard(val_path, corpus.val);
+    const data::ShardWidth width = token_bits == 32 ? data::ShardWidth::uint32 : data::ShardWidth::narrowest;
+    data::write_shard(train_path, corpus.train, width);
+    data::write_shard(val_path, corpus.val, width);
 
-    std::cout << "wrote " << train_path << ": " << corpus.train.size() << " tokens\n"
-              << "wrote " << val_path << ": " << corpus.val.size() << " tokens\n"
+    const char* format = token_bits == 32 ? " (version 2: uint32 tokens)" : "";
+    std::cout << "wrote " << train_path << ": " << corpus.train.size() << " tokens" << format << "\n"
+              << "wrote " << val_path << ": " << corpus.val.size() << " tokens" << format << "\n"
               << "tokenizer: bytes (vocab " << tokenizer.vocab_size() << "); unigram entropy of train " << std::fixed
               << std::setprecision(3) << data::unigram_entropy(corpus.train) << " nats/token\n"
               << "took " << std::setprecision(2)

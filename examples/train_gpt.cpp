@@ -61,7 +61,11 @@ Datasets load_datasets(const Options& o, std::int64_t model_vocab, bool lead) {
   auto say = [&](auto... args) {
     if (lead) std::printf(args...);
   };
-  const int vocab = static_cast<int>(std::min<std::int64_t>(model_vocab, 65536));  // the shards' ids are uint16
+  // Shards of either width are checked against the model's vocabulary (version-2 shards
+  // hold uint32 ids, for vocabularies above 65536); the loader hands out int32 ids.
+  LLMPAR_CHECK(model_vocab >= 1 && model_vocab <= 0x7fffffff, "the model's vocabulary is ", model_vocab,
+               " ids; token ids are int32, so it must be in [1, 2147483647]");
+  const int vocab = static_cast<int>(model_vocab);
   if (o.data.empty()) {
     const data::TextCorpus corpus = data::load_text_corpus();
     say("data: %zu fortune files from %s, %lld train / %lld val bytes, unigram entropy %.3f nats\n",

@@ -1,4 +1,4 @@
-// Data layer: shard format and its errors, the byte tokenizer, datasets, the loader
+// Data layer: shard format (versions 1 and 2) and its errors, the byte tokenizer, datasets, the loader
 // (sequences, global batches split over ranks and micro-batches, the seeded order,
 // resume at any layout) and the fortunes corpus.
 #include <doctest/doctest.h>
@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <numeric>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -53,6 +55,24 @@ void write_raw_shard(const fs::path& p, std::int32_t magic, std::int32_t version
     bytes[1024 + 2 * i + 1] = static_cast<unsigned char>(tokens[i] >> 8);
   }
   write_bytes(p, bytes.data(), bytes.size());
+}
+
+// A version-2 (uint32 tokens) shard written by hand.
+void write_raw_shard32(const fs::path& p, std::int32_t count, const std::vector<std::uint32_t>& tokens,
+                       std::int32_t version = 2) {
+  std::vector<unsigned char> bytes(1024 + tokens.size() * 4, 0);
+  const std::int32_t h[3] = {20240520, version, count};
+  for (int i = 0; i < 3; ++i)
+    for (int b = 0; b < 4; ++b)
+      bytes[i * 4 + b] = static_cast<unsigned char>(static_cast<std::uint32_t>(h[i]) >> (8 * b));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    for (std::size_t b = 0; b < 4; ++b) bytes[1024 + 4 * i + b] = static_cast<unsigned char>(tokens[i] >> (8 * b));
+  write_bytes(p, bytes.data(), bytes.size());
+}
+
+std::vector<unsigned char> file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 std::vector<std::uint16_t> iota_tokens(std::size_t n, int modulo = 65536) {
@@ -164,10 +184,10 @@ TEST_CASE("each corrupt shard gets an error naming the file, the problem and the
     CHECK(e.find(cat("prepare_data --out PREFIX ", (dir / "input.txt").string())) != std::string::npos);
   }
   SUBCASE("unsupported version") {
-    write_raw_shard(dir / "v2.bin", 20240520, 2, 3, {1, 2, 3});
-    const std::string e = error_of([&] { TokenShard s(dir / "v2.bin"); });
-    CHECK(e.find("v2.bin' has version 2; this reader supports only version 1") != std::string::npos);
-    CHECK(e.find("uint32 tokens") != std::string::npos);
+    write_raw_shard(dir / "v3.bin", 20240520, 3, 3, {1, 2, 3});
+    const std::string e = error_of([&] { TokenShard s(dir / "v3.bin"); });
+    CHECK(e.find("v3.bin' has version 3; this reader supports versions 1 (uint16 tokens) and 2 (uint32 tokens)") !=
+          std::string::npos);
   }
   SUBCASE("truncated body") {
     write_raw_shard(dir / "cut.bin", 20240520, 1, 100, iota_tokens(50));
@@ -193,6 +213,154 @@ TEST_CASE("a hand-written shard reads back exactly") {
   CHECK(s[0] == 0x0102);
   CHECK(s[1] == 0xfffe);
   CHECK(s[3] == 258);
+}
+
+TEST_CASE("version-2 shards round-trip uint32 tokens; version 1 is written while every id fits uint16") {
+  TempDir dir;
+  std::vector<std::uint32_t> wide(1000);
+  for (std::size_t i = 0; i < wide.size(); ++i) wide[i] = static_cast<std::uint32_t>(i * 131);  // up to 130869
+  write_shard(dir / "w.bin", wide);
+  CHECK(fs::file_size(dir / "w.bin") == 1024 + 4 * wide.size());
+  const auto bytes = file_bytes(dir / "w.bin");
+  CHECK(bytes[4] == 2);  // version 2
+  CHECK(bytes[8] + (bytes[9] << 8) == 1000);
+  // Token 999 = 130869 = 0x0001ff35, little-endian.
+  CHECK(std::vector<unsigned char>(bytes.end() - 4, bytes.end()) == std::vector<unsigned char>{0x35, 0xff, 0x01, 0});
+
+  TokenShard shard(dir / "w.bin");
+  CHECK(shard.version() == 2);
+  CHECK(shard.token_bytes() == 4);
+  REQUIRE(shard.size() == wide.size());
+  CHECK(shard[999] == 130869);
+  CHECK(std::equal(wide.begin(), wide.end(), shard.tokens32().begin()));
+  CHECK(shard.view().token_bytes() == 4);
+  CHECK(shard.view()[500] == 500 * 131);
+  CHECK(error_of([&] { (void)shard.tokens(); }).find("w.bin' holds uint32 tokens (version 2), not uint16") !=
+        std::string::npos);
+  TokenShard moved = std::move(shard);
+  CHECK(moved.version() == 2);
+  CHECK(moved[1] == 131);
+
+  // uint32 ids that all fit are written as version 1, byte for byte what uint16 ids give;
+  // ShardWidth::uint32 writes version 2 from either.
+  const std::vector<std::uint32_t> small32{1, 65535, 0, 7};
+  const std::vector<std::uint16_t> small16{1, 65535, 0, 7};
+  write_shard(dir / "a32.bin", small32);
+  write_shard(dir / "a16.bin", small16);
+  CHECK(file_bytes(dir / "a32.bin") == file_bytes(dir / "a16.bin"));
+  CHECK(TokenShard(dir / "a32.bin").version() == 1);
+  write_shard(dir / "b16.bin", small16, ShardWidth::uint32);
+  write_shard(dir / "b32.bin", small32, ShardWidth::uint32);
+  CHECK(file_bytes(dir / "b16.bin") == file_bytes(dir / "b32.bin"));
+  const TokenShard b(dir / "b16.bin");
+  CHECK(b.version() == 2);
+  CHECK(std::equal(small32.begin(), small32.end(), b.tokens32().begin()));
+  CHECK(error_of([&] {
+          (void)TokenShard(dir / "a16.bin").tokens32();
+        }).find("a16.bin' holds uint16 tokens (version 1), not uint32") != std::string::npos);
+
+  // More than one conversion chunk (65536 tokens) narrows and widens exactly.
+  std::vector<std::uint32_t> many(200000);
+  for (std::size_t i = 0; i < many.size(); ++i) many[i] = static_cast<std::uint32_t>((i * 7919) % 65536);
+  write_shard(dir / "m.bin", many);
+  const TokenShard m(dir / "m.bin");
+  CHECK(m.version() == 1);
+  CHECK(std::equal(many.begin(), many.end(), m.tokens().begin()));
+  write_shard(dir / "m2.bin", m.tokens(), ShardWidth::uint32);
+  CHECK(std::equal(many.begin(), many.end(), TokenShard(dir / "m2.bin").tokens32().begin()));
+}
+
+TEST_CASE("a hand-written version-2 shard reads back exactly, ids above 65535 and INT32_MAX included") {
+  TempDir dir;
+  write_raw_shard32(dir / "h2.bin", 5, {0x01020304, 65536, 0, 128255, 0xffffffffu});
+  const TokenShard s(dir / "h2.bin");
+  REQUIRE(s.size() == 5);
+  CHECK(s.version() == 2);
+  CHECK(s[0] == 0x01020304);
+  CHECK(s[1] == 65536);
+  CHECK(s[3] == 128255);
+  CHECK(s[4] == 0xffffffffu);
+}
+
+TEST_CASE("each corrupt version-2 shard gets an error naming the file and the problem") {
+  TempDir dir;
+  SUBCASE("truncated body") {
+    write_raw_shard32(dir / "cut2.bin", 100, std::vector<std::uint32_t>(30, 70000));
+    const std::string e = error_of([&] { TokenShard s(dir / "cut2.bin"); });
+    CHECK(e.find("cut2.bin' header says 100 tokens, so expected 1424 bytes, but the file is 1144 bytes (truncated") !=
+          std::string::npos);
+  }
+  SUBCASE("trailing bytes") {
+    write_raw_shard32(dir / "long2.bin", 2, {1, 2, 3});
+    CHECK(error_of([&] { TokenShard s(dir / "long2.bin"); })
+              .find("long2.bin' header says 2 tokens, so expected 1032 "
+                    "bytes, but the file is 1036 bytes (trailing") != std::string::npos);
+  }
+  SUBCASE("uint32 tokens under a version-1 header") {
+    write_raw_shard32(dir / "mixed.bin", 4, {1, 2, 3, 4}, /*version=*/1);
+    const std::string e = error_of([&] { TokenShard s(dir / "mixed.bin"); });
+    CHECK(e.find("mixed.bin' header says 4 tokens, so expected 1032 bytes, but the file is 1040 bytes") !=
+          std::string::npos);
+    CHECK(e.find("that is the size of 4 tokens of 4 bytes, not the 2 of a version-1 shard: is the header's version "
+                 "wrong?") != std::string::npos);
+  }
+}
+
+TEST_CASE("the loader reads the same batches from tokens stored as version 1 and as version 2") {
+  TempDir dir;
+  const auto tokens = iota_tokens(500, 300);
+  write_shard(dir / "v1_train_0.bin", tokens);
+  write_shard(dir / "v2_train_0.bin", tokens, ShardWidth::uint32);
+  // Mixed widths in one dataset: shard 0 of version 1, shard 1 of version 2.
+  write_shard(dir / "mix_train_0.bin", std::span<const std::uint16_t>(tokens).first(250));
+  write_shard(dir / "mix_train_1.bin", std::span<const std::uint16_t>(tokens).last(250), ShardWidth::uint32);
+  write_shard(dir / "split_train_0.bin", std::span<const std::uint16_t>(tokens).first(250));
+  write_shard(dir / "split_train_1.bin", std::span<const std::uint16_t>(tokens).last(250));
+  const auto v1 = TokenDataset::from_shards((dir / "v1_train_*.bin").string(), 300);
+  const auto v2 = TokenDataset::from_shards((dir / "v2_train_*.bin").string(), 300);
+  const auto mix = TokenDataset::from_shards((dir / "mix_train_*.bin").string(), 300);
+  const auto split = TokenDataset::from_shards((dir / "split_train_*.bin").string(), 300);
+  CHECK(v1.shard(0).token_bytes() == 2);
+  CHECK(v2.shard(0).token_bytes() == 4);
+  CHECK(mix.shard(1).token_bytes() == 4);
+  for (const bool shuffle : {false, true}) {
+    CAPTURE(shuffle);
+    const LoaderConfig config{.batch_size = 3, .seq_len = 7, .shuffle = shuffle, .seed = 5};
+    DataLoader a(v1, config), b(v2, config), c(mix, config), d(split, config);
+    for (int step = 0; step < 40; ++step) {  // across the end of an epoch
+      const Batch x = a.next(), y = b.next(), m = c.next(), s = d.next();
+      CHECK(to_vector(y.inputs) == to_vector(x.inputs));
+      CHECK(to_vector(y.targets) == to_vector(x.targets));
+      CHECK(to_vector(m.inputs) == to_vector(s.inputs));
+      CHECK(to_vector(m.targets) == to_vector(s.targets));
+    }
+  }
+}
+
+TEST_CASE("ids of a version-2 shard are checked against vocabularies above 65536") {
+  TempDir dir;
+  std::vector<std::uint32_t> tokens(20);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint32_t>(128000 + i);
+  write_shard(dir / "l_train_000.bin", tokens);
+  tokens[13] = 128256;
+  write_shard(dir / "l_train_001.bin", tokens);
+  const std::string e = error_of([&] { TokenDataset::from_shards((dir / "l_train_*.bin").string(), 128256); });
+  CHECK(e.find(cat("'", (dir / "l_train_001.bin").string(),
+                   "' holds token id 128256 at position 13, but the vocab size is 128256")) != std::string::npos);
+  const auto ds = TokenDataset::from_shards((dir / "l_train_*.bin").string(), 128257);
+  CHECK(ds.num_tokens() == 40);
+  DataLoader loader(ds, {.batch_size = 1, .seq_len = 4});
+  CHECK(to_vector(loader.next().inputs) == range(128000, 4));
+
+  // An id above INT32_MAX is out of every vocabulary (not a negative id that passes).
+  write_raw_shard32(dir / "big_train.bin", 3, {5, 0x80000000u, 6});
+  const std::string big = error_of([&] { TokenDataset::from_shards((dir / "big_train.bin").string(), 1 << 30); });
+  CHECK(big.find("holds token id 2147483648 at position 1, but the vocab size is 1073741824") != std::string::npos);
+
+  // uint16 shards train a vocabulary above 65536 too (Llama 3 on byte-level data).
+  write_shard(dir / "b_train.bin", iota_tokens(10));
+  CHECK(TokenDataset::from_shards((dir / "b_train.bin").string(), 128256).num_tokens() == 10);
+  CHECK(error_of([] { TokenDataset::from_tokens({1}, 0); }).find("vocab_size 0 is out of range") != std::string::npos);
 }
 
 TEST_CASE("a token id at or above the vocab size is an error naming file, position, id and vocab") {

@@ -4,7 +4,9 @@
 // TokenDataset is a list of token shards (memory-mapped files matched by a glob, or one
 // in-memory vector) whose every token has been checked against the model's vocabulary
 // once, up front: an id >= vocab would otherwise index past the embedding table, which
-// is a crash on a GPU and silent garbage on a CPU.
+// is a crash on a GPU and silent garbage on a CPU. Shards keep their stored width (uint16
+// or uint32, and one dataset may mix them); the loader hands out int32 ids either way,
+// which the check makes safe (every id is below a vocabulary that is an int).
 //
 // DataLoader draws global batches of whole sequences (T+1 tokens each), in order or in a
 // seeded permutation per epoch, and splits each among the data-parallel ranks and the
@@ -31,6 +33,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -47,14 +50,22 @@ namespace llmpar::data {
 namespace detail {
 
 // Index of the first token >= vocab_size, or -1. A max-reduction runs first because it
-// vectorises, so checking a large shard costs about one pass over its pages.
-inline std::int64_t first_out_of_vocab(std::span<const std::uint16_t> tokens, int vocab_size) {
-  std::uint16_t max_id = 0;
-  for (const std::uint16_t t : tokens) max_id = std::max(max_id, t);
-  if (static_cast<int>(max_id) < vocab_size) return -1;
+// vectorises, so checking a large shard costs about one pass over its pages. Compared as
+// unsigned 64-bit: a uint32 id above INT32_MAX is out of every vocabulary, not negative.
+template <class Token>
+std::int64_t first_out_of_vocab(std::span<const Token> tokens, int vocab_size) {
+  static_assert(std::is_unsigned_v<Token>, "shard tokens are unsigned ids");
+  const auto vocab = static_cast<std::uint64_t>(vocab_size);
+  Token max_id = 0;
+  for (const Token t : tokens) max_id = std::max(max_id, t);
+  if (static_cast<std::uint64_t>(max_id) < vocab) return -1;
   for (std::size_t i = 0; i < tokens.size(); ++i)
-    if (static_cast<int>(tokens[i]) >= vocab_size) return static_cast<std::int64_t>(i);
+    if (static_cast<std::uint64_t>(tokens[i]) >= vocab) return static_cast<std::int64_t>(i);
   return -1;
+}
+
+inline std::int64_t first_out_of_vocab(TokenView tokens, int vocab_size) {
+  return tokens.visit([vocab_size](auto t) { return first_out_of_vocab(t, vocab_size); });
 }
 
 // "data/fineweb_train_*.bin" -> "data/fineweb", so the hint names the right prepare_data.
@@ -84,7 +95,7 @@ inline std::vector<std::string> glob_sorted(const std::string& pattern) {
 }  // namespace detail
 
 // An ordered list of token shards, every token checked to be < vocab_size. Move-only;
-// the token spans it hands out stay valid for its lifetime.
+// the token views it hands out stay valid for its lifetime.
 class TokenDataset {
  public:
   // Every file matching the glob `pattern`, in byte order of their paths.
@@ -96,7 +107,7 @@ class TokenDataset {
                  " FILE...` (or `prepare_data --out ", prefix, " --fortunes`) to create shards");
     for (const std::string& path : paths) {
       TokenShard shard(path);
-      const std::span<const std::uint16_t> tokens = shard.tokens();  // stable across the move below
+      const TokenView tokens = shard.view();  // stable across the move below
       ds.mapped_.push_back(std::move(shard));
       ds.add_part(path, tokens);
     }
@@ -108,7 +119,7 @@ class TokenDataset {
                                   std::string name = "in-memory tokens") {
     TokenDataset ds(vocab_size);
     ds.owned_ = std::move(tokens);
-    ds.add_part(std::move(name), ds.owned_);
+    ds.add_part(std::move(name), std::span<const std::uint16_t>(ds.owned_));
     return ds;
   }
 
@@ -119,7 +130,7 @@ class TokenDataset {
 
   int vocab_size() const { return vocab_size_; }
   std::size_t num_shards() const { return parts_.size(); }
-  std::span<const std::uint16_t> shard(std::size_t i) const { return parts_.at(i); }
+  TokenView shard(std::size_t i) const { return parts_.at(i); }
   const std::string& shard_name(std::size_t i) const { return names_.at(i); }
   std::int64_t num_tokens() const {
     std::int64_t n = 0;
@@ -129,11 +140,10 @@ class TokenDataset {
 
  private:
   explicit TokenDataset(int vocab_size) : vocab_size_(vocab_size) {
-    LLMPAR_CHECK(vocab_size >= 1 && vocab_size <= 65536, "vocab_size ", vocab_size,
-                 " is out of range for uint16 token shards; it must be in [1, 65536]");
+    LLMPAR_CHECK(vocab_size >= 1, "vocab_size ", vocab_size, " is out of range; it must be at least 1");
   }
 
-  void add_part(std::string name, std::span<const std::uint16_t> tokens) {
+  void add_part(std::string name, TokenView tokens) {
     const std::int64_t bad = detail::first_out_of_vocab(tokens, vocab_size_);
     LLMPAR_CHECK(bad < 0, "'", name, "' holds token id ", tokens[static_cast<std::size_t>(bad)], " at position ", bad,
                  ", but the vocab size is ", vocab_size_,
@@ -147,7 +157,7 @@ class TokenDataset {
   std::vector<TokenShard> mapped_;
   std::vector<std::uint16_t> owned_;  // moving a vector keeps its buffer, so parts_ stay valid
   std::vector<std::string> names_;
-  std::vector<std::span<const std::uint16_t>> parts_;
+  std::vector<TokenView> parts_;
 };
 
 struct LoaderConfig {
@@ -224,11 +234,14 @@ class DataLoader {
     std::int32_t* LLMPAR_RESTRICT in = inputs_.data();
     std::int32_t* LLMPAR_RESTRICT tgt = targets_.data();
     for (std::int64_t b = 0; b < config_.batch_size; ++b) {
-      const std::uint16_t* src = sequence(first + b);
-      for (std::int64_t t = 0; t < T; ++t) {
-        in[b * T + t] = src[t];
-        tgt[b * T + t] = src[t + 1];
-      }
+      const std::pair<std::size_t, std::int64_t> at = sequence(first + b);
+      data_->shard(at.first).visit([&](auto tokens) {
+        const auto* src = tokens.data() + at.second;  // uint16 or uint32, each < vocab_size
+        for (std::int64_t t = 0; t < T; ++t) {
+          in[b * T + t] = static_cast<std::int32_t>(src[t]);
+          tgt[b * T + t] = static_cast<std::int32_t>(src[t + 1]);
+        }
+      });
     }
     state_.consumed += rows_;
     if (state_.consumed == epoch_length_) {
@@ -314,12 +327,13 @@ class DataLoader {
   }
 
  private:
-  // The first token of the sequence at `position` of this epoch's order.
-  const std::uint16_t* sequence(std::int64_t position) const {
+  // The shard and the offset in it of the first token of the sequence at `position` of
+  // this epoch's order.
+  std::pair<std::size_t, std::int64_t> sequence(std::int64_t position) const {
     const std::int64_t q =
         order_ ? static_cast<std::int64_t>(order_->at(static_cast<std::uint64_t>(position))) : position;
     const auto shard = static_cast<std::size_t>(std::upper_bound(first_.begin(), first_.end(), q) - first_.begin() - 1);
-    return data_->shard(shard).data() + (q - first_[shard]) * config_.seq_len;
+    return {shard, (q - first_[shard]) * config_.seq_len};
   }
 
   // This epoch's order: a permutation of every sequence keyed by (seed, epoch), the same
