@@ -6,6 +6,9 @@
 //       each rank, those that would not fit marked and why, and the best's command line
 //   llmpar-plan --model gpt2-124m --cluster h100x8x1 --ranks 8 --tp 2 --pp 2 --zero 1 --batch 4 --global-batch 64
 //       one layout (train_gpt's flags), every term of its memory and time
+//   llmpar-plan --model llama-tiny --kv-heads 4 --seq 1024 --cluster cpu.json --cp 2 --global-batch 8
+//       a Llama (train_gpt's --model llama-* and shape flags), searched at a fixed
+//       context-parallel degree (without --cp the search tries every cp that cuts --seq)
 //   llmpar-plan --calibrate cpu.json
 //       measures this machine (GEMM curves per precision, memory bandwidth, the thread
 //       communicator's busbw and latency) into a cluster file for --cluster
@@ -14,7 +17,9 @@
 //       predicted memory (per term) and step time with the measured ones
 //
 // Layouts are checked with train_gpt's own checks (train_gpt::validate), so the planner
-// lists exactly the layouts train_gpt accepts, and prints its flags.
+// lists exactly the layouts train_gpt accepts, and prints its flags. The model is
+// train_gpt's too (train_gpt::is_llama, model_config, llama_config), seen by the cost
+// model as a plan::ModelShape.
 #include <omp.h>
 #include <unistd.h>
 
@@ -25,11 +30,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -51,10 +59,24 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr double kMiB = 1024.0 * 1024.0;
 
-// The tensor-parallel splits the model's layers make at construction (heads, channels,
-// the padded vocabulary), checked here so that a layout is refused before it is listed.
-void check_splits(const models::GPT2Config& cfg, int tp) {
-  LLMPAR_CHECK(cfg.heads % tp == 0, "--tp ", tp, " does not divide the model's ", cfg.heads, " heads");
+// The model train_gpt builds from the options (a GPT-2 or a Llama), as the cost model
+// sees it, and its sequence length.
+plan::ModelShape model_shape(const Options& o) {
+  if (train_gpt::is_llama(o)) return train_gpt::llama_config(o);
+  return train_gpt::model_config(o);
+}
+std::int64_t sequence_of(const Options& o) {
+  if (train_gpt::is_llama(o)) return train_gpt::sequence_length(o, train_gpt::base_config<models::LlamaConfig>(o));
+  return train_gpt::sequence_length(o, train_gpt::base_config<models::GPT2Config>(o));
+}
+
+// The tensor-parallel splits the model's layers make at construction (heads, kv heads,
+// the MLP's hidden units, the padded vocabulary), checked here so that a layout is
+// refused before it is listed.
+void check_splits(const plan::ModelShape& cfg, int tp) {
+  LLMPAR_CHECK(cfg.heads % tp == 0 && cfg.kv_heads % tp == 0, "--tp ", tp, " does not divide the model's ", cfg.heads,
+               " heads", cfg.kv_heads != cfg.heads ? " and " + std::to_string(cfg.kv_heads) + " kv heads" : "");
+  LLMPAR_CHECK(cfg.hidden % tp == 0, "--tp ", tp, " does not divide the model's ", cfg.hidden, " MLP hidden units");
   LLMPAR_CHECK(cfg.padded_vocab % tp == 0, "--tp ", tp, " does not divide the padded vocabulary ", cfg.padded_vocab);
 }
 
@@ -62,8 +84,39 @@ void check_splits(const models::GPT2Config& cfg, int tp) {
 // its layout (parallel::LayoutConfig), and the model's tensor-parallel splits.
 parallel::LayoutConfig planned_layout(const Options& o, int world) {
   train_gpt::validate(o, world);
-  check_splits(train_gpt::model_config(o), o.tp);
+  check_splits(model_shape(o), o.tp);
   return train_gpt::layout_of(o, world);
+}
+
+// An error's message without the file:line it was raised at and the failed check's
+// expression: for a message quoted inside another.
+std::string message_of(const std::exception& e) {
+  std::string m = e.what();
+  if (const auto* error = dynamic_cast<const Error*>(&e)) {
+    const std::string at = llmpar::detail::concat(error->file(), ":", error->line(), ": ");
+    if (m.starts_with(at)) m.erase(0, at.size());
+    if (const auto check = m.rfind(" [check failed: "); check != std::string::npos) m.erase(check);
+  }
+  return m;
+}
+
+// The options of one rank without parallelism, and `cp` context-parallel ranks: what
+// train_gpt's checks say of them is what they say of the model flags (and of context
+// parallelism on this backend), before any layout is searched.
+Options one_replica(const Options& o, int cp = 1) {
+  Options one = o;
+  one.tp = 1;
+  one.sp = false;
+  one.cp = cp;
+  one.pp = 1;
+  one.schedule = "1f1b";
+  one.virtual_stages = 1;
+  one.zero = 0;
+  one.batch = 1;
+  one.grad_accum.reset();
+  one.global_batch.reset();
+  one.recompute = "none";
+  return one;
 }
 
 // train_gpt's flags for the model and layout of `o` (those that differ from its defaults).
@@ -71,20 +124,31 @@ std::vector<std::string> flags_of(const Options& o) {
   std::vector<std::string> f;
   auto add = [&](std::string flag, auto value) {
     f.push_back(std::move(flag));
-    if constexpr (std::is_convertible_v<decltype(value), std::string>)
+    if constexpr (std::is_convertible_v<decltype(value), std::string>) {
       f.emplace_back(value);
-    else
+    } else if constexpr (std::is_floating_point_v<decltype(value)>) {
+      std::ostringstream s;  // enough digits to read back as the same float
+      s << std::setprecision(std::numeric_limits<decltype(value)>::max_digits10) << value;
+      f.push_back(s.str());
+    } else {
       f.push_back(std::to_string(value));
+    }
   };
   if (o.backend != "cpu") add("--backend", o.backend);
   add("--model", o.model);
   if (o.layers) add("--layers", *o.layers);
   if (o.heads) add("--heads", *o.heads);
+  if (o.kv_heads) add("--kv-heads", *o.kv_heads);
   if (o.dim) add("--dim", *o.dim);
+  if (o.ffn_dim) add("--ffn-dim", *o.ffn_dim);
+  if (o.rope_theta) add("--rope-theta", *o.rope_theta);
   if (o.vocab) add("--vocab", *o.vocab);
+  if (o.init_std) add("--init-std", *o.init_std);
   if (o.seq) add("--seq", *o.seq);
   if (o.tp > 1) add("--tp", o.tp);
   if (o.sp) f.emplace_back("--sp");
+  if (o.cp > 1) add("--cp", o.cp);
+  if (o.cp > 1 && o.cp_comm != "ring") add("--cp-comm", o.cp_comm);
   if (o.pp > 1) add("--pp", o.pp);
   if (o.pp > 1) add("--schedule", o.schedule);
   if (o.virtual_stages > 1) add("--virtual-stages", o.virtual_stages);
@@ -110,7 +174,8 @@ std::string command_line(const Options& o, int world, const plan::Cluster& c) {
 
 std::string describe(const Options& o, int world) {
   std::ostringstream s;
-  s << "tp " << o.tp << (o.sp ? " sp" : "") << " pp " << o.pp;
+  s << "tp " << o.tp << (o.sp ? " sp" : "")
+    << (o.cp > 1 ? " cp " + std::to_string(o.cp) + (o.cp_comm != "ring" ? " " + o.cp_comm : "") : "") << " pp " << o.pp;
   if (o.pp > 1) s << " " << o.schedule << (o.virtual_stages > 1 ? " v" + std::to_string(o.virtual_stages) : "");
   s << " dp " << train_gpt::data_parallel_degree(o, world) << " z" << o.zero << " mb " << o.batch << " x"
     << train_gpt::accumulation_steps(o, world) << " " << o.precision;
@@ -125,37 +190,53 @@ struct Candidate {
   plan::Estimate estimate;
 };
 
-std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int i = 1; i <= n; ++i)
-    if (n % i == 0) d.push_back(i);
-  return d;
-}
-
-std::vector<Candidate> search(const Options& base, int world, const plan::Cluster& c, std::size_t* refused) {
+// Every layout of `world` ranks with the degrees plan::degree_choices gives (fixed_cp:
+// --cp, or none to try every cp that cuts the sequence) that train_gpt accepts, ranked;
+// context parallelism by ring and by all-to-all, or only by base.cp_comm when
+// fixed_cp_comm (--cp-comm).
+// Context parallelism is searched only where train_gpt runs it on the cluster's
+// backend; `cp_note` then says why not.
+std::vector<Candidate> search(const Options& base, int world, const plan::Cluster& c, std::optional<int> fixed_cp,
+                              bool fixed_cp_comm, std::size_t* refused, std::string* cp_note) {
   std::vector<Candidate> out;
-  const models::GPT2Config cfg = train_gpt::model_config(base);
-  const std::int64_t seq = train_gpt::sequence_length(base, models::GPT2Config::preset(base.model));
+  const plan::ModelShape cfg = model_shape(base);
+  const std::int64_t seq = sequence_of(base);
+  std::vector<plan::Degrees> degrees = plan::degree_choices(c, world, seq, fixed_cp);
+  int smallest_cp = 0;
+  for (const plan::Degrees& d : degrees)
+    if (d.cp > 1 && (smallest_cp == 0 || d.cp < smallest_cp)) smallest_cp = d.cp;
+  if (smallest_cp > 1) {
+    try {
+      train_gpt::validate(one_replica(base, smallest_cp), smallest_cp);
+    } catch (const std::exception& e) {
+      LLMPAR_CHECK(!fixed_cp, "--cp ", *fixed_cp, " cannot run on ", c.name, ", whose layouts train_gpt runs with ",
+                   "--backend ", base.backend, ": ", message_of(e));
+      *cp_note = message_of(e);
+      std::erase_if(degrees, [](const plan::Degrees& d) { return d.cp > 1; });
+    }
+  }
   *refused = 0;
-  for (int tp : divisors(world)) {
-    if (tp > c.devices_per_node) continue;  // tensor parallelism stays inside a node
-    for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp)
-      for (int pp : divisors(world / tp))
+  const std::vector<std::string> one_way{base.cp_comm}, both_ways{"ring", "a2a"};
+  for (const plan::Degrees& d : degrees)
+    for (const std::string& cp_comm : d.cp > 1 && !fixed_cp_comm ? both_ways : one_way)
+      for (int sp = 0; sp <= (d.tp > 1 ? 1 : 0); ++sp)
         for (const char* schedule : {"1f1b", "interleaved", "zb"}) {
-          if (pp == 1 && std::string(schedule) != "1f1b") continue;
+          if (d.pp == 1 && std::string(schedule) != "1f1b") continue;
           for (int zero = 0; zero <= 3; ++zero)
             for (std::int64_t mb : {1, 2, 4, 8, 16, 32})
               for (const char* rc : {"none", "selective", "full"}) {
                 Options o = base;
-                o.tp = tp;
+                o.tp = d.tp;
                 o.sp = sp == 1;
-                o.pp = pp;
+                o.cp = d.cp;
+                o.cp_comm = cp_comm;
+                o.pp = d.pp;
                 o.schedule = schedule;
                 o.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
                 o.zero = zero;
                 o.batch = mb;
                 o.recompute = rc;
-                if (pp > 1) o.sample_tokens = 0;
+                if (d.pp > 1) o.sample_tokens = 0;
                 try {
                   const parallel::LayoutConfig l = planned_layout(o, world);
                   out.push_back({o, plan::estimate(cfg, seq, l, c)});
@@ -164,17 +245,14 @@ std::vector<Candidate> search(const Options& base, int world, const plan::Cluste
                 }
               }
         }
-  }
-  std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.estimate.fits != b.estimate.fits) return a.estimate.fits;
-    return a.estimate.time.step < b.estimate.time.step;
-  });
+  std::stable_sort(out.begin(), out.end(),
+                   [](const Candidate& a, const Candidate& b) { return plan::listed_before(a.estimate, b.estimate); });
   return out;
 }
 
 void print_breakdown(const Options& o, int world, const plan::Cluster& c) {
-  const models::GPT2Config cfg = train_gpt::model_config(o);
-  const std::int64_t seq = train_gpt::sequence_length(o, models::GPT2Config::preset(o.model));
+  const plan::ModelShape cfg = model_shape(o);
+  const std::int64_t seq = sequence_of(o);
   const parallel::LayoutConfig l = planned_layout(o, world);
   const plan::Estimate e = plan::estimate(cfg, seq, l, c);
   const plan::Memory& m = e.memory;
@@ -192,8 +270,9 @@ void print_breakdown(const Options& o, int world, const plan::Cluster& c) {
   std::printf("time per step:\n");
   for (const auto& [what, s] :
        {std::pair{"compute", t.compute}, std::pair{"  of it tp comm", t.tensor_comm},
-        std::pair{"  of it pp comm", t.pipeline_comm}, std::pair{"bubble", t.bubble}, std::pair{"dp comm", t.data_comm},
-        std::pair{"optimizer", t.optimizer}, std::pair{"step", t.step}})
+        std::pair{"  of it cp comm", t.context_comm}, std::pair{"  of it pp comm", t.pipeline_comm},
+        std::pair{"bubble", t.bubble}, std::pair{"dp comm", t.data_comm}, std::pair{"optimizer", t.optimizer},
+        std::pair{"step", t.step}})
     std::printf("  %-14s %10.3f ms\n", what, s * 1e3);
   std::printf("  MFU %.1f%%, %.0f tokens/s\n", 100.0 * t.mfu, static_cast<double>(l.global_batch() * seq) / t.step);
   std::printf("command: %s\n", command_line(o, world, c).c_str());
@@ -749,8 +828,8 @@ int validate(const std::string& exe, const plan::Cluster& c, const std::string& 
     const std::vector<Measured>& passes = runs[measurement_key(ranks, describe(o, ranks), steps)];
     Measured m = passes.front();
     for (const Measured& once : passes) m.step_ms = std::min(m.step_ms, once.step_ms);
-    const models::GPT2Config cfg = train_gpt::model_config(o);
-    const std::int64_t seq = train_gpt::sequence_length(o, models::GPT2Config::preset(o.model));
+    const plan::ModelShape cfg = model_shape(o);
+    const std::int64_t seq = sequence_of(o);
     const plan::Estimate e = plan::estimate(cfg, seq, planned_layout(o, ranks), c);
     // train_gpt's metrics are rank 0's: the first pipeline stage's memory.
     const plan::Memory pm = plan::rank_memory(cfg, seq, planned_layout(o, ranks), 0, c);
@@ -811,6 +890,12 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", ranks, "Estimate one layout of this many ranks (with the layout flags below)");
   app.add_option("--tp", o.tp, "One layout: tensor-parallel degree");
   app.add_flag("--sp", o.sp, "One layout: sequence parallelism");
+  CLI::Option* cp_flag = app.add_option(
+      "--cp", o.cp, "Context-parallel degree: one layout's, or the search's (default: every cp that cuts --seq)");
+  CLI::Option* cp_comm_flag =
+      app.add_option("--cp-comm", o.cp_comm,
+                     "Context parallelism by ring or a2a: one layout's, or the search's (default: both)")
+          ->check(CLI::IsMember({"ring", "a2a"}));
   app.add_option("--pp", o.pp, "One layout: pipeline stages");
   app.add_option("--schedule", o.schedule, "One layout: pipeline schedule");
   app.add_option("--virtual-stages", o.virtual_stages, "One layout: chunks per pipeline rank");
@@ -860,9 +945,13 @@ int main(int argc, char** argv) {
       return validate(exe, c, validate_out, measurements, quick, model, validate_steps, quick ? 1 : repeats, tolerance);
     }
     if (!o.seq) {
-      const models::GPT2Config preset = models::GPT2Config::preset(o.model);
-      o.seq = std::min<std::int64_t>(preset.max_seq, 1024);
+      const std::int64_t longest = train_gpt::is_llama(o) ? train_gpt::base_config<models::LlamaConfig>(o).max_seq
+                                                          : train_gpt::base_config<models::GPT2Config>(o).max_seq;
+      o.seq = std::min<std::int64_t>(longest, 1024);
     }
+    // The model flags (--model, --kv-heads, --ffn-dim, ...) with train_gpt's checks and
+    // messages, before any layout.
+    train_gpt::validate(one_replica(o), 1);
     if (ranks > 0) {
       print_breakdown(o, ranks, c);
       return 0;
@@ -872,15 +961,18 @@ int main(int argc, char** argv) {
                  "or --ranks N with a layout's flags to estimate one layout");
     const int world = c.shared_node ? c.devices_per_node : c.devices();
     std::size_t refused = 0;
-    const std::vector<Candidate> all = search(o, world, c, &refused);
-    const models::GPT2Config cfg = train_gpt::model_config(o);
+    std::string cp_note;
+    const std::vector<Candidate> all =
+        search(o, world, c, cp_flag->count() > 0 ? std::optional<int>(o.cp) : std::nullopt, cp_comm_flag->count() > 0,
+               &refused, &cp_note);
     std::printf(
         "%s (%.2fB parameters, seq %lld, global batch %lld) on %s: %zu layouts of %d ranks (%zu refused "
         "by train_gpt's checks)\n",
-        o.model.c_str(), static_cast<double>(cfg.num_parameters()) * 1e-9, static_cast<long long>(*o.seq),
+        o.model.c_str(), static_cast<double>(model_shape(o).parameters) * 1e-9, static_cast<long long>(*o.seq),
         static_cast<long long>(*o.global_batch), c.name.c_str(), all.size(), world, refused);
+    if (!cp_note.empty()) std::printf("context parallelism not searched: train_gpt says: %s\n", cp_note.c_str());
     LLMPAR_CHECK(!all.empty(), "no layout of ", world, " ranks is valid for this model and global batch");
-    std::printf("%4s  %-52s %10s %9s %7s %9s %9s  %s\n", "rank", "layout", "step (s)", "MFU", "bubble", "mem GiB",
+    std::printf("%4s  %-58s %10s %9s %7s %9s %9s  %s\n", "rank", "layout", "step (s)", "MFU", "bubble", "mem GiB",
                 "comm (s)", "");
     int shown = 0;
     std::size_t fitting = 0;
@@ -889,9 +981,10 @@ int main(int argc, char** argv) {
       if (shown >= top && k.estimate.fits) continue;
       if (!k.estimate.fits && shown >= top + 5) break;
       const plan::Time& t = k.estimate.time;
-      std::printf("%4d  %-52s %10.3f %8.1f%% %6.1f%% %9.2f %9.3f  %s\n", shown + 1, describe(k.options, world).c_str(),
+      std::printf("%4d  %-58s %10.3f %8.1f%% %6.1f%% %9.2f %9.3f  %s\n", shown + 1, describe(k.options, world).c_str(),
                   t.step, 100 * t.mfu, 100 * t.bubble / t.step, k.estimate.memory.total() / kGiB,
-                  t.data_comm + t.tensor_comm + t.pipeline_comm, k.estimate.fits ? "" : k.estimate.why.c_str());
+                  t.data_comm + t.tensor_comm + t.context_comm + t.pipeline_comm,
+                  k.estimate.fits ? "" : k.estimate.why.c_str());
       ++shown;
     }
     std::printf("%zu of %zu layouts fit in %.0f GiB per device.\n", fitting, all.size(), c.memory_bytes / kGiB);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "data_parallel_test_util.hpp"
@@ -155,12 +156,15 @@ TEST_CASE("the activations a rank holds fall with the cp degree") {
 TEST_CASE("the planner's memory per rank under context parallelism is what the trainer measures") {
   plan::Cluster cluster;
   cluster.memory_bytes = 1e12;
-  for (int cp : {1, 2, 4}) {
+  for (auto [cp, how] : {std::pair{1, nn::CpComm::ring}, std::pair{2, nn::CpComm::ring}, std::pair{4, nn::CpComm::ring},
+                         std::pair{2, nn::CpComm::all_to_all}}) {
     for (int zero : {0, 1}) {
       CAPTURE(cp);
+      CAPTURE(nn::cp_comm_name(how));
       CAPTURE(zero);
       dp_test::Layout layout{.micro_batch = 2, .accum = 2};
       layout.cp = cp;
+      layout.cp_comm = how;
       const dp_test::Run got =
           zero == 1 ? run<models::LlamaSpec, Policy<1>>(cp * 2, 1, layout) : run<models::LlamaSpec>(cp, 1, layout);
       parallel::LayoutConfig l = dp_test::layout_config<Policy<>>(layout, zero == 1 ? cp * 2 : cp, 1);

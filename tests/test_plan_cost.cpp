@@ -344,3 +344,130 @@ TEST_CASE("cluster presets, files and their errors") {
   std::filesystem::remove(path);
   CHECK(fails_with([] { (void)Cluster::named("/nonexistent/cluster.json"); }, "cannot be read"));
 }
+
+TEST_CASE("a search tries cp only where it cuts the sequence into 2 cp chunks, and tp inside a node") {
+  const Cluster c = test_cluster();  // 2 nodes of 4
+  auto cps = [](const std::vector<plan::Degrees>& ds) {
+    std::vector<int> v;
+    for (const plan::Degrees& d : ds)
+      if (std::find(v.begin(), v.end(), d.cp) == v.end()) v.push_back(d.cp);
+    return v;
+  };
+  const std::vector<plan::Degrees> long_seq = plan::degree_choices(c, 8, 1024);
+  CHECK(cps(long_seq) == std::vector<int>{1, 2, 4, 8});
+  for (const plan::Degrees& d : long_seq) {
+    CHECK(d.tp * d.cp * d.pp * d.dp == 8);
+    CHECK(d.tp <= 4);
+  }
+  // 1, 2, 4 and 8 each divide 8 ranks; seq 12 is 4 chunks of 3, not 8 of 1.5.
+  CHECK(cps(plan::degree_choices(c, 8, 12)) == std::vector<int>{1, 2});
+  CHECK(cps(plan::degree_choices(c, 8, 6)) == std::vector<int>{1});
+  CHECK_FALSE(plan::cp_cuts(12, 4));
+  CHECK(plan::cp_cuts(12, 3));
+  CHECK(plan::cp_cuts(7, 1));
+  // --cp 2: only cp 2, every tp and pp around it.
+  const std::vector<plan::Degrees> fixed = plan::degree_choices(c, 8, 1024, 2);
+  CHECK(cps(fixed) == std::vector<int>{2});
+  CHECK(fixed.size() == 6);  // tp x pp of the 4 ranks left: (1,1) (1,2) (1,4) (2,1) (2,2) (4,1)
+}
+
+TEST_CASE("a fixed cp that does not divide the ranks or cut the sequence is refused, naming what would") {
+  const Cluster c = test_cluster();
+  CHECK(fails_with([&] { (void)plan::degree_choices(c, 8, 1024, 3); },
+                   "--cp 3 does not divide the 8 ranks of test; use a --cp that divides them and cuts --seq 1024: 1, "
+                   "2, 4, 8"));
+  CHECK(
+      fails_with([&] { (void)plan::degree_choices(c, 8, 12, 4); },
+                 "--seq 12 is not divisible by 2 x --cp 4 = 8 (context parallelism cuts each sequence into 2 x cp "
+                 "chunks); use a --seq that is a multiple of 8, or a --cp that cuts it and divides the 8 ranks: 1, 2"));
+  CHECK(fails_with([&] { (void)plan::degree_choices(c, 8, 1024, 0); },
+                   "--cp 0; the context-parallel degree is at least 1"));
+  CHECK(
+      fails_with([&] { (void)plan::degree_choices(c, 0, 1024); }, "a search needs ranks and a sequence; got 0 ranks"));
+}
+
+TEST_CASE("the listed order: layouts that fit first, each by step time") {
+  plan::Estimate fast, slow, big;
+  fast.time.step = 1.0;
+  slow.time.step = 2.0;
+  big.time.step = 0.5;
+  big.fits = false;
+  CHECK(plan::listed_before(fast, slow));
+  CHECK_FALSE(plan::listed_before(slow, fast));
+  CHECK(plan::listed_before(slow, big));  // a layout that does not fit comes last, however fast
+  CHECK_FALSE(plan::listed_before(big, fast));
+  CHECK_FALSE(plan::listed_before(fast, fast));
+}
+
+TEST_CASE(
+    "a Llama's long sequences: cp divides the activations, its exchange is timed, and it ranks first where "
+    "only it fits") {
+  const models::LlamaConfig llama = models::LlamaConfig::preset("llama3-8b");
+  const plan::ModelShape shape = llama;
+  CHECK(shape.kv_heads == 8);
+  CHECK(shape.qkv_features() == (32 + 2 * 8) * 128);
+  CHECK(shape.parameters == llama.num_parameters());
+  Cluster c = test_cluster();
+  constexpr std::int64_t seq = 32768;
+  Layout l;
+  l.tp = 4;
+  l.sp = true;
+  l.precision = DType::bf16;
+  l.recompute = recompute::Mode::full;
+  const plan::Estimate one = plan::estimate(shape, seq, l, c);
+  l.cp = 2;
+  const plan::Estimate two = plan::estimate(shape, seq, l, c);
+  CHECK(one.time.context_comm == 0.0);
+  CHECK(two.time.context_comm > 0.0);
+  CHECK(two.time.context_comm < two.time.compute);
+  // Each cp rank holds half of every sequence's rows (and ring attention's blocks).
+  CHECK(two.memory.activations == doctest::Approx(one.memory.activations / 2).epsilon(0.05));
+  CHECK(two.memory.model_state() == one.memory.model_state());  // ZeRO 0: each rank keeps the whole store
+
+  // The search as llmpar-plan runs it (every degree and ZeRO stage; micro-batch 1, full
+  // recomputation, 1F1B), on devices too small for every layout without cp: only
+  // context-parallel layouts fit, and they come first.
+  struct Candidate {
+    Layout layout;
+    plan::Estimate estimate;
+  };
+  auto search = [&] {
+    std::vector<Candidate> out;
+    for (const plan::Degrees& d : plan::degree_choices(c, 8, seq))
+      for (int zero = 0; zero <= (d.pp > 1 ? 1 : 3); ++zero) {
+        Layout k = l;
+        k.tp = d.tp;
+        k.sp = d.tp > 1;
+        k.cp = d.cp;
+        k.pp = d.pp;
+        k.dp = d.dp;
+        k.zero = zero;
+        k.grad_accum = 8 / d.dp;
+        out.push_back({k, plan::estimate(shape, seq, k, c)});
+      }
+    std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+      return plan::listed_before(a.estimate, b.estimate);
+    });
+    return out;
+  };
+  double without_cp = 1e300, with_cp = 1e300;
+  for (const Candidate& k : search()) {
+    double& smallest = k.layout.cp == 1 ? without_cp : with_cp;
+    smallest = std::min(smallest, k.estimate.memory.total());
+  }
+  // At 32k tokens, ZeRO 3 over tp 4 x cp 2 holds less than any layout without cp.
+  REQUIRE(with_cp < without_cp);
+  c.memory_bytes = (with_cp + without_cp) / 2;
+  const std::vector<Candidate> ranked = search();
+  REQUIRE_FALSE(ranked.empty());
+  CHECK(ranked.front().estimate.fits);
+  CHECK(ranked.front().layout.cp > 1);
+  bool fitting = true;
+  for (const Candidate& k : ranked) {
+    if (k.layout.cp == 1) CHECK_FALSE(k.estimate.fits);
+    if (!k.estimate.fits) fitting = false;
+    CHECK(k.estimate.fits == fitting);  // fitting first, then the rest
+  }
+  for (std::size_t i = 1; i < ranked.size(); ++i)
+    if (ranked[i].estimate.fits) CHECK(ranked[i - 1].estimate.time.step <= ranked[i].estimate.time.step);
+}

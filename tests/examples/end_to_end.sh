@@ -63,7 +63,10 @@
 #                 with sp, zb and interleaved pipelines) predicts every rank-0 memory
 #                 report of train_gpt within 10%; the search over h200x8x4 for gpt2-1.5b
 #                 lists layouts and prints the best's command; one layout's breakdown;
-#                 bad flags are named
+#                 llama-tiny with --kv-heads and --ffn-dim: the search on this machine
+#                 tries cp, --cp 2 fixes it, and the best's command (--cp 2 and the
+#                 Llama flags) trains; on GPUs cp is searched where train_gpt's CUDA
+#                 backend runs it, and where not the search says why; bad flags are named
 #   scaling       llmpar-scaling --synthetic: the whole sweep (fit sizes, off-ratio runs,
 #                 the held-out model at 10x the largest fit run's compute) with losses from
 #                 a known Chinchilla law and 0.3% noise; the fit recovers E, alpha and beta
@@ -528,6 +531,45 @@ PY
     expect_error "--tp 3 does not divide the 8 ranks" "$bin/llmpar-plan" --cluster h100x8x1 --ranks 8 --tp 3
     expect_error "--tp 8 does not divide the model's 12 heads" "$bin/llmpar-plan" --model gpt2-124m \
       --cluster h100x8x1 --ranks 8 --tp 8
+    # A Llama with train_gpt's shape flags, and context parallelism on this machine's ranks.
+    llama=(--model llama-tiny --kv-heads 4 --ffn-dim 512 --seq 512 --global-batch 8)
+    "$bin/llmpar-plan" "${llama[@]}" --cluster cpu.json | tee llama.txt
+    grep -qE '^ +[0-9]+  tp [0-9]+( sp)? cp 2 pp' llama.txt || fail "the Llama search listed no cp 2 layout"
+    "$bin/llmpar-plan" "${llama[@]}" --cluster cpu.json --cp 2 | tee llama_cp.txt
+    grep -qE '^ +[0-9]+  tp [0-9]+( sp)? pp' llama_cp.txt && fail "--cp 2 listed a layout without cp 2"
+    grep -qE '^best: train_gpt --ranks [0-9]+ --model llama-tiny --kv-heads 4 --ffn-dim 512 --seq 512 .*--cp 2 ' llama_cp.txt ||
+      fail "the best command line lacks the Llama flags or --cp 2"
+    read -r -a best <<<"$(sed -n 's/^best: train_gpt //p' llama_cp.txt)"
+    "$bin/train_gpt" "${best[@]}" --steps 2 --eval-every 0 --peak-gflops 50 | tee llama_run.txt
+    grep -q 'step     2/2' llama_run.txt || fail "the planner's best command did not train"
+    "$bin/llmpar-plan" "${llama[@]}" --cluster cpu.json --ranks 2 --cp 2 --batch 4 | tee llama_one.txt
+    grep -q '^layout: tp 1 cp 2 pp 1 dp 1' llama_one.txt && grep -q 'of it cp comm' llama_one.txt &&
+      grep -q '^command: train_gpt --ranks 2 .*--cp 2 --batch 4' llama_one.txt || fail "one cp layout's breakdown is incomplete"
+    # On GPUs cp is searched where train_gpt's CUDA backend runs it; where it does not
+    # (no ring attention yet), the search says why, and --cp there is refused with it.
+    "$bin/llmpar-plan" "${llama[@]}" --cluster h100x8x1 | tee llama_gpu.txt
+    if grep -q '^context parallelism not searched: train_gpt says: --cp 2: ' llama_gpu.txt; then
+      expect_error "--cp 2 cannot run on h100x8x1, whose layouts train_gpt runs with --backend cuda: --cp 2: " \
+        "$bin/llmpar-plan" "${llama[@]}" --cluster h100x8x1 --cp 2
+    else
+      grep -qE '^ +[0-9]+  tp [0-9]+( sp)? cp 2 pp' llama_gpu.txt || fail "the GPU search neither tried cp nor said why"
+    fi
+    expect_error "unknown Llama preset 'llama-9b'; use llama-tiny, llama3.2-1b or llama3-8b" "$bin/llmpar-plan" \
+      --model llama-9b --cluster h100x8x1 --global-batch 8
+    expect_error "kv_heads (--kv-heads) is 3; it must divide heads 4" "$bin/llmpar-plan" --model llama-tiny --kv-heads 3 \
+      --cluster h100x8x1 --global-batch 8
+    expect_error "ffn_dim (--ffn-dim) is 0; the MLP needs at least 1 hidden unit" "$bin/llmpar-plan" --model llama-tiny \
+      --ffn-dim 0 --cluster h100x8x1 --global-batch 8
+    expect_error "--kv-heads, --ffn-dim and --rope-theta shape a Llama; gpt2-124m is a GPT-2" "$bin/llmpar-plan" \
+      --model gpt2-124m --rope-theta 10000 --cluster h100x8x1 --global-batch 8
+    expect_error "--tp 2 does not divide the model's 383 MLP hidden units" "$bin/llmpar-plan" --model llama-tiny \
+      --ffn-dim 383 --cluster h100x8x1 --ranks 2 --tp 2
+    expect_error "--cp 3 does not divide the 8 ranks of h100x8x1; use a --cp that divides them and cuts --seq 512: 1, 2, 4, 8" \
+      "$bin/llmpar-plan" "${llama[@]}" --cluster h100x8x1 --cp 3
+    expect_error "--seq 100 is not divisible by 2 x --cp 4 = 8" "$bin/llmpar-plan" --model llama-tiny --seq 100 \
+      --cluster h100x8x1 --global-batch 8 --cp 4
+    expect_error "--cp 0; the context-parallel degree is at least 1" "$bin/llmpar-plan" "${llama[@]}" --cluster h100x8x1 \
+      --cp 0
     ;;
   scaling)
     "$bin/llmpar-scaling" --synthetic --out syn | tee syn.txt

@@ -14,8 +14,9 @@
 //   - all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's a2a): one
 //     all-to-all turns this rank's rows of every head into every row of 1/cp of the
 //     heads, the whole-sequence kernel runs on those, and one more turns its output
-//     back. cp divides the kv heads (of a tp rank); four exchanges of (rows, C)-sized
-//     tensors per layer (q, k and v count as one), not hidden, but no block kernels.
+//     back. cp divides the kv heads (of a tp rank); two exchanges forward (qkv, the
+//     output) and three backward (the output, its gradient, qkv's), not hidden, but the
+//     whole-sequence kernel on whole heads (no block kernels, no per-step latency).
 // detail::ContextParallelCore is both, on any backend with their kernels.
 //
 // The tokens and targets arrive whole (every cp rank of a data-parallel replica reads

@@ -30,11 +30,15 @@
 //  - Every estimate is per rank of the most loaded pipeline stage (the first holds the
 //    embedding, the last the LM head and its logits): the rank that runs out of memory
 //    first and the stage that sets the pipeline's pace.
+//  - The degrees a search tries (degree_choices) and the order it lists layouts in
+//    (listed_before) are here, beside the model, so that a planner and its tests share
+//    them; which layouts a trainer accepts beyond these is the trainer's to check.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -79,6 +83,7 @@ struct Memory {
 struct Time {
   double compute = 0.0;        // this stage's forward and backward of every micro-batch, recomputation included
   double tensor_comm = 0.0;    // tensor/sequence-parallel collectives (inside compute's critical path)
+  double context_comm = 0.0;   // ring attention's K/V blocks not hidden under attention (inside compute)
   double pipeline_comm = 0.0;  // activations and gradients between stages
   double bubble = 0.0;         // the stage's idle time inside the pipeline
   double data_comm = 0.0;      // data-parallel reductions and gathers, the part not hidden under backward
@@ -331,10 +336,14 @@ inline Memory stage_memory(const ModelShape& cfg, std::int64_t seq, const Layout
   // loss's softmax stats.
   m.workspace = (std::max(4 * s.C, s.P * s.Hl) + std::max(3 * s.C, s.Ql) + 2 * s.C) * s.R * t;
   if (s.P > 1) m.workspace += s.R * s.Hl * t;
-  // Ring attention (cp > 1): two K/V blocks and their gradients, the queries' state (o,
-  // m, l), dq and D.
-  if (s.cp > 1)
-    m.workspace += s.R * 2 * s.KVl * (2 * t + 2 * s.acc) + 2 * s.R * s.Cl * s.acc + 3 * s.B * s.NHl * s.S * s.acc;
+  // Context parallelism (nn/context_parallel.hpp). Ring attention: two K/V blocks and
+  // three of their gradients (in hand, passing on, arriving), the queries' state (o, m,
+  // l), dq and D, and dq's or dK/dV's staging in T. The all-to-all: its send and receive
+  // buffers (qkv's size), and the core's output, ∂output and ∂qkv over this rank's heads.
+  if (s.cp > 1 && l.cp_comm == nn::CpComm::ring)
+    m.workspace += s.R * 2 * s.KVl * (2 * t + 3 * s.acc) + 2 * s.R * s.Cl * s.acc + 3 * s.B * s.NHl * s.S * s.acc +
+                   s.R * std::max(s.Cl, 2 * s.KVl) * t;
+  if (s.cp > 1 && l.cp_comm == nn::CpComm::all_to_all) m.workspace += (3 * s.Ql + 2 * s.Cl) * s.R * t;
   if (l.sp) m.workspace += 2 * s.R * s.C * t;
   if (selective) m.workspace += s.R * s.Cl * t + s.B * s.NHl * s.S * s.acc;
   if (full) m.workspace += detail::block_saved_bytes(s, false) + s.Rl * s.C * t;
@@ -425,15 +434,30 @@ inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfi
   const double reduce = detail::collective_seconds(comm::Collective::all_reduce, tp_bytes, l.tp, tp_link);
   const double tp_forward = l.sp ? 2 * gather + 2 * scatter : 2 * reduce;
   const double tp_backward = l.sp ? 4 * gather + 2 * scatter : 2 * reduce;
-  // Ring attention: cp - 1 K/V blocks on, forward and backward (hidden under the block
-  // compute when it is the longer), and cp dK/dV blocks in f32 back, after the compute.
+  // Context parallelism. Ring attention: cp - 1 K/V blocks on, forward and backward,
+  // each hidden under a step's blocks when those take longer; in backward the dK/dV of
+  // each block (f32) travels one step behind it, with the next step's K/V, and after the
+  // last step goes home (not hidden). The all-to-all: qkv to the heads and the output
+  // back forward; the output, ∂output and ∂qkv backward (and the output again under
+  // selective recomputation); none hidden.
   const Link& cp_link = group_link(c, l.cp, l.tp);
-  const double kv_bytes = s.R * 2 * s.KVl * s.t;
-  const double ring_step = l.cp > 1 ? kv_bytes / cp_link.busbw + cp_link.latency : 0.0;
-  const double ring_attention = l.cp > 1 ? attention / l.cp : 0.0;  // one step's blocks
-  const double cp_forward = (l.cp - 1) * std::max(0.0, ring_step - ring_attention);
-  const double cp_backward =
-      cp_forward + l.cp * (l.cp > 1 ? kv_bytes / s.t * s.acc / cp_link.busbw + cp_link.latency : 0.0);
+  const double kv_bytes = s.R * 2 * s.KVl * s.t, dkv_bytes = kv_bytes / s.t * s.acc;
+  double cp_forward = 0.0, cp_backward = 0.0;
+  if (l.cp > 1 && l.cp_comm == nn::CpComm::ring) {
+    const double kv_step = kv_bytes / cp_link.busbw + cp_link.latency;
+    const double dkv_step = dkv_bytes / cp_link.busbw + cp_link.latency;
+    const double forward_step = attention / l.cp, backward_step = 2.5 * attention / l.cp;  // one step's blocks
+    cp_forward = (l.cp - 1) * std::max(0.0, kv_step - forward_step);
+    cp_backward = std::max(0.0, kv_step - backward_step) +
+                  (l.cp - 2) * std::max(0.0, kv_step + dkv_step - cp_link.latency - backward_step) +
+                  std::max(0.0, dkv_step - backward_step) + dkv_step;
+  } else if (l.cp > 1) {
+    const auto exchange = [&](double features) {
+      return detail::collective_seconds(comm::Collective::all_to_all, s.R * features * s.t, l.cp, cp_link);
+    };
+    cp_forward = exchange(s.Ql) + exchange(s.Cl);
+    cp_backward = 2 * exchange(s.Cl) + exchange(s.Ql) + (selective ? exchange(s.Cl) : 0.0);
+  }
   // Fixed costs per call: a block's forward makes about 6 kernel calls and 4 GEMMs, its
   // backward about 10 and 8 (what makes many small micro-batches slower than few large).
   const double calls_forward = 6 * c.kernel_overhead + 4 * c.gemm_overhead;
@@ -446,7 +470,7 @@ inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfi
                                              : 0.0);
 
   Time time;
-  double worst_forward = 0.0, worst_backward = 0.0, worst_weight = 0.0, worst_tp = 0.0;
+  double worst_forward = 0.0, worst_backward = 0.0, worst_weight = 0.0, worst_tp = 0.0, worst_cp = 0.0;
   for (int stage = 0; stage < l.pp; ++stage) {
     const pipeline::Placement pl{
         .stages = l.pp, .chunks = l.virtual_stages, .rank = stage, .partition = cfg.partition(l)};
@@ -455,6 +479,7 @@ inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfi
     double forward = blocks * block_forward, backward = blocks * block_backward;
     double weight = blocks * gemms;  // the weight-gradient GEMMs a zero-bubble schedule defers
     const double tp = blocks * (tp_forward + tp_backward + (full ? tp_forward : 0.0));
+    const double cp = blocks * (cp_forward + cp_backward + (full ? cp_forward : 0.0));
     if (pl.last()) {  // the final norm, the LM head (and its two gradients), the loss
       const double head = gemm.seconds(s.R, s.Vl, s.C);
       const double loss = s.R * s.Vl * s.t * 3 / elementwise_rate;
@@ -478,6 +503,7 @@ inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfi
       worst_backward = backward;
       worst_weight = weight;
       worst_tp = tp;
+      worst_cp = cp;
     }
   }
   const double m = static_cast<double>(l.grad_accum);
@@ -492,6 +518,7 @@ inline Time step_time(const ModelShape& cfg, std::int64_t seq, const LayoutConfi
   }
   time.compute = m * (worst_forward + worst_backward);
   time.tensor_comm = m * worst_tp;
+  time.context_comm = m * worst_cp;
   if (l.pp > 1) {
     const pipeline::Report r = schedule_report(
         l,
@@ -568,6 +595,61 @@ inline Estimate estimate(const ModelShape& cfg, std::int64_t seq, const LayoutCo
                            ")");
   }
   return e;
+}
+
+// ---- The search: the degrees it tries and the order it lists layouts in.
+
+// Whether context parallelism of degree cp cuts a sequence of seq tokens: ring
+// attention balances the causal square by giving each rank two of 2·cp equal chunks.
+inline bool cp_cuts(std::int64_t seq, int cp) { return cp == 1 || (cp > 1 && seq % (2 * cp) == 0); }
+
+// A layout's degrees: tp · cp · pp · dp ranks.
+struct Degrees {
+  int tp = 1, cp = 1, pp = 1, dp = 1;
+};
+
+// The degrees a search of `world` ranks of cluster c tries for sequences of seq tokens:
+// tp inside a node (its collectives run in every block), cp where it cuts the sequence
+// (cp_cuts), pp, and dp for the ranks left. fixed_cp keeps the context-parallel degree
+// the user gave (--cp), checked against the ranks and the sequence; without it, every
+// degree that cuts the sequence is tried.
+inline std::vector<Degrees> degree_choices(const Cluster& c, int world, std::int64_t seq,
+                                           std::optional<int> fixed_cp = std::nullopt) {
+  LLMPAR_CHECK(world >= 1 && seq >= 1, "a search needs ranks and a sequence; got ", world, " ranks, seq ", seq);
+  auto divisors = [](int n) {
+    std::vector<int> d;
+    for (int i = 1; i <= n; ++i)
+      if (n % i == 0) d.push_back(i);
+    return d;
+  };
+  if (fixed_cp) {
+    std::string usable;  // the degrees that would work, for the messages
+    for (int cp : divisors(world))
+      if (cp_cuts(seq, cp)) usable += (usable.empty() ? "" : ", ") + std::to_string(cp);
+    const int cp = *fixed_cp;
+    LLMPAR_CHECK(cp >= 1, "--cp ", cp, "; the context-parallel degree is at least 1 (1: none), e.g. one of ", usable);
+    LLMPAR_CHECK(world % cp == 0, "--cp ", cp, " does not divide the ", world, " ranks of ", c.name,
+                 "; use a --cp that divides them and cuts --seq ", seq, ": ", usable);
+    LLMPAR_CHECK(cp_cuts(seq, cp), "--seq ", seq, " is not divisible by 2 x --cp ", cp, " = ", 2 * cp,
+                 " (context parallelism cuts each sequence into 2 x cp chunks); use a --seq that is a multiple of ",
+                 2 * cp, ", or a --cp that cuts it and divides the ", world, " ranks: ", usable);
+  }
+  std::vector<Degrees> out;
+  for (int tp : divisors(world)) {
+    if (tp > c.devices_per_node) continue;
+    for (int cp : divisors(world / tp)) {
+      if (fixed_cp ? cp != *fixed_cp : !cp_cuts(seq, cp)) continue;
+      for (int pp : divisors(world / (tp * cp))) out.push_back({tp, cp, pp, world / (tp * cp * pp)});
+    }
+  }
+  return out;
+}
+
+// The order a planner lists layouts in: those that fit before those that do not, each
+// by step time (a strict weak order, for std::stable_sort).
+inline bool listed_before(const Estimate& a, const Estimate& b) {
+  if (a.fits != b.fits) return a.fits;
+  return a.time.step < b.time.step;
 }
 
 }  // namespace llmpar::plan
