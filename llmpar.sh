@@ -250,6 +250,12 @@ cmd_bench() {
     OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
       mpirun -np 2 "$build_dir/benchmarks/bench_data_parallel" "$@" || failed+=("bench_data_parallel (mpirun)")
   fi
+  # Ring attention's exposed communication across 2 MPI processes (cp 2) too.
+  if [[ -x "$build_dir/benchmarks/bench_context_parallel" ]] && command -v mpirun >/dev/null 2>&1; then
+    echo "==> mpirun -np 2 benchmarks/bench_context_parallel $*"
+    OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+      mpirun -np 2 "$build_dir/benchmarks/bench_context_parallel" "$@" || failed+=("bench_context_parallel (mpirun)")
+  fi
   local script="$root/benchmarks/pytorch_step.py"
   if [[ -f "$script" ]]; then
     # PyTorch: $LLMPAR_TORCH_PYTHON, else the venv from benchmarks/pytorch_venv.sh, else
