@@ -444,6 +444,10 @@ void validate_model(const Options& o, int world_size, const parallel::LayoutConf
     LLMPAR_CHECK(cfg.heads % o.tp == 0 && cfg.kv_heads % o.tp == 0, "--tp ", o.tp, " does not divide the ",
                  cfg.heads % o.tp != 0 ? "query" : "kv", " heads (--heads ", cfg.heads, ", --kv-heads ", cfg.kv_heads,
                  "): tensor parallelism splits both without splitting a head; use a --tp that divides ", cfg.kv_heads);
+    LLMPAR_CHECK(cfg.ffn_dim % o.tp == 0, "--tp ", o.tp, " does not divide the model's ", cfg.ffn_dim,
+                 " MLP hidden units (--ffn-dim): tensor parallelism splits them evenly; use an --ffn-dim that is a "
+                 "multiple of ",
+                 o.tp, ", or another --tp");
   } else {
     if (!o.init_from.empty())
       checkpoint::hf::check_standard_logits(cfg, "--init-from: Hugging Face GPT-2 weights cannot be read into");

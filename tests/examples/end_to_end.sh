@@ -361,6 +361,11 @@ case "$case" in
     expect_error "--kv-heads, --ffn-dim and --rope-theta shape a Llama" "$bin/train_gpt" --kv-heads 2
     expect_error "a Llama (--model llama-tiny) trains without it" "$bin/train_gpt" --model llama-tiny --mup
     expect_error "--seq 62 is not divisible by 2 x --cp 2" "$bin/train_gpt" --model llama-tiny --ranks 2 --cp 2 --seq 62
+    expect_error "--tp 2 does not divide the model's 383 MLP hidden units" "$bin/train_gpt" --model llama-tiny \
+      --ffn-dim 383 --ranks 2 --tp 2
+    expect_error "--cp-comm a2a splits the heads over the cp ranks, but --cp 4 does not divide the 2 kv heads" \
+      "$bin/train_gpt" --model llama-tiny --ranks 4 --cp 4 --cp-comm a2a
+    expect_error "--cp-comm: ulysses not in {ring,a2a}" "$bin/train_gpt" --model llama-tiny --ranks 2 --cp 2 --cp-comm ulysses
     # Hugging Face: a folder out and back in, the same bytes.
     "$bin/train_gpt" "${common[@]}" --batch 2 --export hf >/dev/null
     [[ -f hf/config.json && -f hf/model.safetensors ]] || fail "--export hf wrote no model folder"
