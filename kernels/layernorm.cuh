@@ -40,9 +40,15 @@
 // (rows, C, T) only, so the result is the same on every run and every GPU.
 // Workspace: <op>_backward_workspace(rows, C) floats, at most 256 partial rows.
 //
+// Residual gradient. residual_rmsnorm_backward adds the residual stream's gradient into
+// dx as it writes it (Llama's block: dx = norm backward + dresidual), with the roundings
+// of the unfused rmsnorm_backward then add_inplace (which accumulate_dx, adding before
+// the one rounding to T, does not have in bf16).
+//
 // Aliasing. residual_*_forward may write `sum` over `a` or `b` (the in-place residual
 // update x += f(x)); `out` must not overlap `sum`, `a` or `b`. In layernorm_forward and
-// rmsnorm_forward `out` may equal `x`. In backward dx must not overlap dout or x.
+// rmsnorm_forward `out` may equal `x`. In backward dx must not overlap dout or x
+// (residual_rmsnorm_backward's dresidual may equal dx).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -341,13 +347,16 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 
 // dx, dout, x: (rows, C); weight: (C); mean (LayerNorm only), rstd: (rows);
 // partials: (gridDim.x, kParts, C), this block's partial dweight (and dbias) sums.
+// With kResidual, dx = T(T(norm's dx) + dresidual) (rows, C): the unfused add_inplace's
+// roundings, the add kept out of an FMA (__fadd_rn), so the bits are the unfused
+// sequence's (backend/cpu/rmsnorm.hpp); dresidual may equal dx.
 // Block blockIdx.x owns rows [blockIdx.x * rows_per_block, +rows_per_block); group g of
 // the block takes rows g, g + groups, ... of them.
-template <Storage T, Norm kNorm>
+template <Storage T, Norm kNorm, bool kResidual>
 __global__ void __launch_bounds__(kBlockThreads)
-    norm_backward_kernel(T* dx, float* partials, const T* dout, const T* x, const T* weight, const float* mean,
-                         const float* rstd, std::int64_t rows, int C, std::int64_t rows_per_block, int group,
-                         bool vectorized, bool accumulate_dx) {
+    norm_backward_kernel(T* dx, float* partials, const T* dout, const T* dresidual, const T* x, const T* weight,
+                         const float* mean, const float* rstd, std::int64_t rows, int C, std::int64_t rows_per_block,
+                         int group, bool vectorized, bool accumulate_dx) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
   constexpr int kParts = kNorm == Norm::layer ? 2 : 1;  // dweight, dbias
@@ -443,6 +452,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         if (accumulate_dx) d += load(old.v[i]);
         o.v[i] = store<T>(d);
       }
+      if constexpr (kResidual) {
+        const P r = load_pack(dresidual + base, c0, C, vectorized);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o.v[i] = store<T>(__fadd_rn(load(o.v[i]), load(r.v[i])));
+      }
       store_pack(dx + base, c0, C, vectorized, o);
     };
 #pragma unroll
@@ -507,17 +521,17 @@ void launch_forward(cudaStream_t stream, const char* who, T* out, T* sum, float*
   LLMPAR_CHECK_LAUNCH(who);
 }
 
-template <Storage T, Norm kNorm>
+template <Storage T, Norm kNorm, bool kResidual>
 void launch_backward(cudaStream_t stream, const char* who, T* dx, float* dweight, float* dbias, const T* dout,
-                     const T* x, const T* weight, const float* mean, const float* rstd, float* workspace,
-                     std::int64_t rows, std::int64_t C, bool accumulate_dx) {
+                     const T* dresidual, const T* x, const T* weight, const float* mean, const float* rstd,
+                     float* workspace, std::int64_t rows, std::int64_t C, bool accumulate_dx) {
   constexpr int kParts = kNorm == Norm::layer ? 2 : 1;
   const BackwardPlan plan = backward_plan<T>(rows, C);
-  const bool vectorized =
-      C % Pack<T>::kSize == 0 && aligned16(dx) && aligned16(dout) && aligned16(x) && aligned16(weight);
-  norm_backward_kernel<T, kNorm><<<static_cast<unsigned>(plan.blocks), kBlockThreads, 0, stream>>>(
-      dx, workspace, dout, x, weight, mean, rstd, rows, static_cast<int>(C), plan.rows_per_block, plan.geo.group,
-      vectorized, accumulate_dx);
+  const bool vectorized = C % Pack<T>::kSize == 0 && aligned16(dx) && aligned16(dout) && aligned16(dresidual) &&
+                          aligned16(x) && aligned16(weight);
+  norm_backward_kernel<T, kNorm, kResidual><<<static_cast<unsigned>(plan.blocks), kBlockThreads, 0, stream>>>(
+      dx, workspace, dout, dresidual, x, weight, mean, rstd, rows, static_cast<int>(C), plan.rows_per_block,
+      plan.geo.group, vectorized, accumulate_dx);
   LLMPAR_CHECK_LAUNCH(who);
   const std::int64_t final_blocks = ceil_div(kParts * C, kFinalThreads);
   LLMPAR_CHECK(final_blocks <= kMaxGridX, who, ": C = ", C, " is too large for one grid");
@@ -601,8 +615,8 @@ void layernorm_backward(cudaStream_t stream, T* dx, float* dweight, float* dbias
   detail::norm::check_pointer(kWho, mean, "mean (saved by layernorm_forward)");
   detail::norm::check_pointer(kWho, rstd, "rstd (saved by layernorm_forward)");
   detail::norm::check_pointer(kWho, workspace, "workspace (layernorm_backward_workspace(rows, C) floats)");
-  detail::norm::launch_backward<T, detail::norm::Norm::layer>(stream, kWho, dx, dweight, dbias, dout, x, weight, mean,
-                                                              rstd, workspace, rows, C, accumulate_dx);
+  detail::norm::launch_backward<T, detail::norm::Norm::layer, false>(
+      stream, kWho, dx, dweight, dbias, dout, nullptr, x, weight, mean, rstd, workspace, rows, C, accumulate_dx);
 }
 
 // RMSNorm (LLaMA): out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
@@ -656,8 +670,31 @@ void rmsnorm_backward(cudaStream_t stream, T* dx, float* dweight, const T* dout,
   detail::norm::check_pointer(kWho, weight, "weight");
   detail::norm::check_pointer(kWho, rstd, "rstd (saved by rmsnorm_forward)");
   detail::norm::check_pointer(kWho, workspace, "workspace (rmsnorm_backward_workspace(rows, C) floats)");
-  detail::norm::launch_backward<T, detail::norm::Norm::rms>(stream, kWho, dx, dweight, nullptr, dout, x, weight,
-                                                            nullptr, rstd, workspace, rows, C, accumulate_dx);
+  detail::norm::launch_backward<T, detail::norm::Norm::rms, false>(
+      stream, kWho, dx, dweight, nullptr, dout, nullptr, x, weight, nullptr, rstd, workspace, rows, C, accumulate_dx);
+}
+
+// dx (rows, C) = RMSNorm backward(dout) + dresidual, in one pass (the residual stream's
+// gradient added as dx is written; bitwise rmsnorm_backward then add_inplace).
+// dresidual: (rows, C), may equal dx; dx must not overlap dout or x. Otherwise as
+// rmsnorm_backward (dweight +=; workspace: rmsnorm_backward_workspace(rows, C) floats).
+template <Storage T>
+void residual_rmsnorm_backward(cudaStream_t stream, T* dx, float* dweight, const T* dout, const T* dresidual,
+                               const T* x, const T* weight, const float* rstd, float* workspace, std::int64_t rows,
+                               std::int64_t C) {
+  constexpr const char* kWho = "residual_rmsnorm_backward";
+  detail::norm::check_shape(kWho, rows, C);
+  if (rows == 0) return;
+  detail::norm::check_pointer(kWho, dx, "dx");
+  detail::norm::check_pointer(kWho, dweight, "dweight");
+  detail::norm::check_pointer(kWho, dout, "dout");
+  detail::norm::check_pointer(kWho, dresidual, "dresidual");
+  detail::norm::check_pointer(kWho, x, "x");
+  detail::norm::check_pointer(kWho, weight, "weight");
+  detail::norm::check_pointer(kWho, rstd, "rstd (saved by rmsnorm_forward)");
+  detail::norm::check_pointer(kWho, workspace, "workspace (rmsnorm_backward_workspace(rows, C) floats)");
+  detail::norm::launch_backward<T, detail::norm::Norm::rms, true>(stream, kWho, dx, dweight, nullptr, dout, dresidual,
+                                                                  x, weight, nullptr, rstd, workspace, rows, C, false);
 }
 
 #endif  // __CUDACC__

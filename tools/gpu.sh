@@ -35,8 +35,8 @@
 LLMPAR_GPU_PACK="$root/.gpu-pack/llmpar-gpu-pack.tar.gz"
 LLMPAR_GPU_PACK_MAX_MB=60
 # The programs whose tests compare our own kernels (compute-sanitizer runs these).
-LLMPAR_GPU_KERNEL_TESTS=(test_cuda_attention test_cuda_elementwise test_cuda_layernorm test_cuda_cross_entropy
-  test_cuda_adamw)
+LLMPAR_GPU_KERNEL_TESTS=(test_cuda_attention test_cuda_attention_block test_cuda_elementwise test_cuda_layernorm
+  test_cuda_cross_entropy test_cuda_adamw)
 
 # The CMake arguments of a GPU build: the CUDA backend for `arch`, one GPU (no MPI or
 # NCCL: the image has neither, and one GPU needs neither), and a host ISA of every

@@ -12,7 +12,10 @@
 // orders). Also: rows with a large mean (1000 + noise) against a long
 // double reference, which E[x^2] - E[x]^2 in float could not pass; bitwise determinism
 // run to run; and bitwise equality of the 16-byte vector path and the element path (a
-// misaligned pointer). Host-side errors are checked first, without a device.
+// misaligned pointer). The fused residual RMSNorm of Llama's block (forward in place,
+// residual += delta; backward with the residual stream's gradient added,
+// residual_rmsnorm_backward) against the CPU's fused kernels, and bitwise against the
+// GPU's own unfused sequence. Host-side errors are checked first, without a device.
 // Exit codes: 0 pass, 1 failure, 77 no CUDA device (ctest reports that as skipped).
 #include <algorithm>
 #include <cmath>
@@ -132,6 +135,14 @@ void check_host_errors() {
                "rmsnorm_backward: rows = -1", "rmsnorm_backward rows < 0");
   expect_error([&] { static_cast<void>(kernels::layernorm_backward_workspace(4, 0)); },
                "layernorm_backward_workspace: rows = 4, C = 0", "layernorm_backward_workspace C = 0");
+  expect_error([&] { kernels::residual_rmsnorm_backward<float>(s, p, p, p, nullptr, p, p, p, p, 1, 4); },
+               "dresidual is null", "residual_rmsnorm_backward null dresidual");
+  expect_error(
+      [&] {
+        kernels::residual_rmsnorm_backward<bf16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                 nullptr, 2, 0);
+      },
+      "residual_rmsnorm_backward: rows = 2, C = 0", "residual_rmsnorm_backward C = 0");
   expect_error([&] { static_cast<void>(kernels::rmsnorm_backward_workspace(-1, 4)); },
                "rmsnorm_backward_workspace: rows = -1", "rmsnorm_backward_workspace rows < 0");
 
@@ -148,6 +159,8 @@ void check_host_errors() {
     kernels::residual_rmsnorm_forward<bf16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 4);
     kernels::layernorm_backward<f16>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                      0, 4, true);
+    kernels::residual_rmsnorm_backward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                              0, 4);
   } catch (const std::exception& e) {
     expect(false, std::string("rows = 0 should be a no-op: ") + e.what());
   }
@@ -320,6 +333,86 @@ void norm_case(const DeviceContext& context, Kind kind, std::int64_t rows, std::
   std::printf("%-48s out %.2e  dx %.2e  dx+= %.2e  dweight %.2e\n", tag.c_str(), out_err, dx_err, acc_err, dw_err);
 }
 
+// The fused residual RMSNorm as backend::Cuda runs it for nn::RMSNorm's forward_residual
+// and backward_residual: the sum written over the residual itself, and dx = backward
+// + dresidual. Against the CPU's fused kernels (backend/cpu/rmsnorm.hpp, which
+// tests/test_kernels_rmsnorm.cpp checks bitwise against the CPU's unfused sequence), and
+// bitwise against the GPU's unfused sequence: rmsnorm_backward, then the add.
+template <class T>
+void fused_residual_rms_case(const DeviceContext& context, std::int64_t rows, std::int64_t C) {
+  const cudaStream_t stream = context.compute();
+  const std::string tag = std::string("fused residual rmsnorm ") + dtype_name<T>() + " rows=" + std::to_string(rows) +
+                          " C=" + std::to_string(C);
+  const std::string seed = "fused." + std::to_string(rows) + "x" + std::to_string(C);
+  const std::int64_t n = rows * C;
+  const Tolerance tol = gpu_test::tolerance<T>(kFloatAtol);
+  const Tolerance grad_tol = gpu_test::tolerance<float>(kFloatAtol);
+
+  const auto residual0 = round_to<T>(random_normal(n, "residual." + seed, 2.0, 0.5));
+  const auto delta = round_to<T>(random_normal(n, "delta." + seed));
+  const auto w = round_to<T>(random_normal(C, "w." + seed, 0.3, 1.0));
+  const auto dout = round_to<T>(random_normal(n, "dout." + seed));
+  const auto dresidual = round_to<T>(random_normal(n, "dresidual." + seed));
+  const std::vector<float> dw0 = random_normal(C, "dw0." + seed);
+
+  // The CPU's fused kernels on the same storage type.
+  std::vector<T> residual_cpu = residual0, out_cpu(n), dx_cpu(n);
+  std::vector<float> rstd_cpu(rows), dw_cpu = dw0;
+  cpu::residual_rmsnorm_forward(out_cpu.data(), rstd_cpu.data(), residual_cpu.data(), delta.data(), w.data(), rows, C);
+  cpu::residual_rmsnorm_backward(dx_cpu.data(), dw_cpu.data(), dout.data(), dresidual.data(), residual_cpu.data(),
+                                 w.data(), rstd_cpu.data(), rows, C);
+
+  // GPU forward in place (sum = a = residual), as backend::Cuda::residual_rmsnorm_forward.
+  auto d_residual = upload(residual0, stream), d_delta = upload(delta, stream), d_w = upload(w, stream);
+  DeviceBuffer<T> d_out(n, stream);
+  DeviceBuffer<float> d_rstd(rows, stream);
+  kernels::residual_rmsnorm_forward<T>(stream, d_residual.data(), d_out.data(), d_rstd.data(), d_residual.data(),
+                                       d_delta.data(), d_w.data(), rows, C);
+  const auto residual_gpu = download(d_residual);
+  expect(same_bits(residual_gpu, residual_cpu), tag + ": residual += delta in place is the CPU's T(a + b), bitwise");
+  const double out_err = compare(download(d_out), out_cpu, tol, tag + " out vs CPU fused");
+  compare(download(d_rstd), rstd_cpu, {1e-5, 0.0}, tag + " rstd vs CPU fused");
+
+  // GPU backward, fused and unfused, from the GPU's statistics.
+  auto d_dout = upload(dout, stream), d_dresidual = upload(dresidual, stream);
+  DeviceBuffer<float> d_ws(kernels::rmsnorm_backward_workspace(rows, C), stream);
+  struct Grads {
+    std::vector<T> dx;
+    std::vector<float> dw;
+  };
+  // dx_init: dx's contents before the call; dres: the residual gradient's buffer, or
+  // null for the unfused rmsnorm_backward; dres_is_dx: pass dx itself (its contents dx_init).
+  const auto backward = [&](const std::vector<T>& dx_init, const T* dres, bool dres_is_dx) {
+    auto d_dx = upload(dx_init, stream);
+    auto d_dw = upload(dw0, stream);
+    if (dres == nullptr && !dres_is_dx)
+      kernels::rmsnorm_backward<T>(stream, d_dx.data(), d_dw.data(), d_dout.data(), d_residual.data(), d_w.data(),
+                                   d_rstd.data(), d_ws.data(), rows, C);
+    else
+      kernels::residual_rmsnorm_backward<T>(stream, d_dx.data(), d_dw.data(), d_dout.data(),
+                                            dres_is_dx ? d_dx.data() : dres, d_residual.data(), d_w.data(),
+                                            d_rstd.data(), d_ws.data(), rows, C);
+    return Grads{download(d_dx), download(d_dw)};
+  };
+  const std::vector<T> garbage = round_to<T>(random_normal(n, "garbage." + seed));  // overwritten
+  const Grads fused = backward(garbage, d_dresidual.data(), false);
+  Grads unfused = backward(garbage, nullptr, false);
+  cpu::add_inplace(unfused.dx.data(), dresidual.data(), n);  // the add kernel's T(a + b), on the host
+  expect(same_bits(fused.dx, unfused.dx), tag + ": fused dx = rmsnorm_backward then add, bitwise");
+  expect(same_bits(fused.dw, unfused.dw), tag + ": fused dweight = rmsnorm_backward's, bitwise");
+  const double dx_err = compare(fused.dx, dx_cpu, tol, tag + " dx vs CPU fused");
+  const double dw_err = compare(fused.dw, dw_cpu, grad_tol, tag + " dweight (f32) vs CPU fused");
+  const Grads in_place = backward(dresidual, nullptr, true);
+  expect(same_bits(in_place.dx, fused.dx) && same_bits(in_place.dw, fused.dw),
+         tag + ": dresidual = dx (added in place) gives the same bits");
+  Misaligned<T> dresidual_odd(dresidual, stream);
+  const Grads odd = backward(garbage, dresidual_odd.get(), false);
+  expect(same_bits(odd.dx, fused.dx) && same_bits(odd.dw, fused.dw),
+         tag + ": element path (misaligned dresidual) = vector path, bitwise");
+
+  std::printf("%-48s out %.2e  dx %.2e  dweight %.2e\n", tag.c_str(), out_err, dx_err, dw_err);
+}
+
 // Rows of 1000 + noise: the variance is 1e-2 against a mean square of 1e6, which
 // E[x^2] - E[x]^2 in float cannot resolve; Welford can.
 void large_mean_case(const DeviceContext& context, std::int64_t rows, std::int64_t C) {
@@ -372,6 +465,7 @@ void all_cases(const DeviceContext& context) {
        {Shape{1, 1}, Shape{5, 7}, Shape{257, 771}, Shape{3, 768}, Shape{64, 1600}, Shape{4099, 96}, Shape{3, 20000}}) {
     for (const Kind kind : {Kind::layer, Kind::residual_layer, Kind::rms, Kind::residual_rms})
       norm_case<T>(context, kind, s.rows, s.C);
+    fused_residual_rms_case<T>(context, s.rows, s.C);
   }
 }
 

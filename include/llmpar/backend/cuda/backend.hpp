@@ -184,11 +184,37 @@ struct Cuda {
   template <class T>
   static void rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* x, const T* weight,
                                const float* rstd, std::int64_t rows, std::int64_t C);
+  // The residual add fused into the norm (kernels/layernorm.cuh): residual += delta,
+  // out = RMSNorm(residual); and dx = RMSNorm backward(dout) + dresidual. The unfused
+  // add_inplace and rmsnorm calls' roundings, as on the CPU (backend/cpu/rmsnorm.hpp).
+  template <class T>
+  static void residual_rmsnorm_forward(Context& ctx, T* out, float* rstd, T* residual, const T* delta, const T* weight,
+                                       std::int64_t rows, std::int64_t C, float eps);
+  template <class T>
+  static void residual_rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* dresidual,
+                                        const T* x, const T* weight, const float* rstd, std::int64_t rows,
+                                        std::int64_t C);
   template <class T>
   static void attention_forward(Context& ctx, T* out, float* lse, const T* qkv, const AttentionShape& shape);
   template <class T>
   static void attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out, const float* lse,
                                  const AttentionShape& shape);
+  // Attention one block at a time (ring attention, kernels/attention_block.cuh): the CPU
+  // backend's operations and arguments (backend/cpu/attention_block.hpp), Acc = float.
+  template <class A>
+  static void attention_state_init(Context& ctx, const AttentionState<A>& st, const AttentionShape& shape);
+  template <class T>
+  static void attention_block_forward(Context& ctx, const AttentionState<float>& st, const T* qkv, const T* kv,
+                                      const AttentionShape& shape, const AttentionBlock& block);
+  template <class T>
+  static void attention_state_finish(Context& ctx, T* out, float* lse, const AttentionState<float>& st,
+                                     const AttentionShape& shape);
+  template <class T>
+  static void attention_dsum(Context& ctx, float* dsum, const T* dout, const T* out, const AttentionShape& shape);
+  template <class T>
+  static void attention_block_backward(Context& ctx, float* dq, float* dkv, const T* dout, const T* qkv, const T* kv,
+                                       const float* lse, const float* dsum, const AttentionShape& shape,
+                                       const AttentionBlock& block);
   template <class T>
   static void gelu_forward(Context& ctx, T* out, const T* x, std::int64_t n);
   template <class T>

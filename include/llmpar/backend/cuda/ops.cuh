@@ -18,6 +18,7 @@
 #include "llmpar/backend/cuda/backend.hpp"
 #include "llmpar/kernels/adamw.cuh"
 #include "llmpar/kernels/attention.cuh"
+#include "llmpar/kernels/attention_block.cuh"
 #include "llmpar/kernels/cross_entropy.cuh"
 #include "llmpar/kernels/elementwise.cuh"
 #include "llmpar/kernels/layernorm.cuh"
@@ -56,6 +57,19 @@ void Cuda::rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, 
 }
 
 template <class T>
+void Cuda::residual_rmsnorm_forward(Context& ctx, T* out, float* rstd, T* residual, const T* delta, const T* weight,
+                                    std::int64_t rows, std::int64_t C, float eps) {
+  kernels::residual_rmsnorm_forward(ctx.stream(), residual, out, rstd, residual, delta, weight, rows, C, eps);
+}
+
+template <class T>
+void Cuda::residual_rmsnorm_backward(Context& ctx, T* dx, float* dweight, const T* dout, const T* dresidual, const T* x,
+                                     const T* weight, const float* rstd, std::int64_t rows, std::int64_t C) {
+  float* workspace = ctx.scratch_floats(kernels::rmsnorm_backward_workspace(rows, C));
+  kernels::residual_rmsnorm_backward(ctx.stream(), dx, dweight, dout, dresidual, x, weight, rstd, workspace, rows, C);
+}
+
+template <class T>
 void Cuda::attention_forward(Context& ctx, T* out, float* lse, const T* qkv, const AttentionShape& shape) {
   kernels::attention_forward(ctx.stream(), out, lse, qkv, shape);
 }
@@ -65,6 +79,36 @@ void Cuda::attention_backward(Context& ctx, T* dqkv, const T* dout, const T* qkv
                               const AttentionShape& shape) {
   float* workspace = ctx.scratch_floats(kernels::attention_backward_workspace(shape));
   kernels::attention_backward(ctx.stream(), dqkv, dout, qkv, out, lse, workspace, shape);
+}
+
+template <class A>
+void Cuda::attention_state_init(Context& ctx, const AttentionState<A>& st, const AttentionShape& shape) {
+  static_assert(std::is_same_v<A, float>, "backend::Cuda::attention_state_init: the CUDA attention state is float");
+  kernels::attention_state_init(ctx.stream(), st, shape);
+}
+
+template <class T>
+void Cuda::attention_block_forward(Context& ctx, const AttentionState<float>& st, const T* qkv, const T* kv,
+                                   const AttentionShape& shape, const AttentionBlock& block) {
+  kernels::attention_block_forward(ctx.stream(), st, qkv, kv, shape, block);
+}
+
+template <class T>
+void Cuda::attention_state_finish(Context& ctx, T* out, float* lse, const AttentionState<float>& st,
+                                  const AttentionShape& shape) {
+  kernels::attention_state_finish(ctx.stream(), out, lse, st, shape);
+}
+
+template <class T>
+void Cuda::attention_dsum(Context& ctx, float* dsum, const T* dout, const T* out, const AttentionShape& shape) {
+  kernels::attention_dsum(ctx.stream(), dsum, dout, out, shape);
+}
+
+template <class T>
+void Cuda::attention_block_backward(Context& ctx, float* dq, float* dkv, const T* dout, const T* qkv, const T* kv,
+                                    const float* lse, const float* dsum, const AttentionShape& shape,
+                                    const AttentionBlock& block) {
+  kernels::attention_block_backward(ctx.stream(), dq, dkv, dout, qkv, kv, lse, dsum, shape, block);
 }
 
 template <class T>
@@ -220,8 +264,15 @@ constexpr auto ops_of() {
                     &Cuda::layernorm_backward<T>,
                     &Cuda::rmsnorm_forward<T>,
                     &Cuda::rmsnorm_backward<T>,
+                    &Cuda::residual_rmsnorm_forward<T>,
+                    &Cuda::residual_rmsnorm_backward<T>,
                     &Cuda::attention_forward<T>,
                     &Cuda::attention_backward<T>,
+                    &Cuda::attention_state_init<float>,
+                    &Cuda::attention_block_forward<T>,
+                    &Cuda::attention_state_finish<T>,
+                    &Cuda::attention_dsum<T>,
+                    &Cuda::attention_block_backward<T>,
                     &Cuda::gelu_forward<T>,
                     &Cuda::gelu_backward<T>,
                     &Cuda::glu_forward<T>,
