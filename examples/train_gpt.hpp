@@ -338,10 +338,17 @@ int run(const Options& o, const parallel::LayoutConfig& layout, comm::Comm& worl
     const data::ByteTokenizer tok;
     std::vector<std::int32_t> prompt;
     for (std::uint16_t t : tok.encode(o.prompt)) prompt.push_back(t);
-    const auto out =
-        train::sample(ctx, model, prompt, {.tokens = sample_count(o), .temperature = o.temperature, .seed = o.seed});
+    // The byte tokenizer decodes ids below 256: a larger vocabulary samples among those.
+    const auto out = train::sample(
+        ctx, model, prompt,
+        {.tokens = sample_count(o), .temperature = o.temperature, .seed = o.seed, .vocab = tok.vocab_size()});
     std::vector<std::uint16_t> ids(out.begin(), out.end());
-    say("---- sample (temperature %.2f) ----\n%s\n----\n", static_cast<double>(o.temperature), tok.decode(ids).c_str());
+    const std::string among = model.config().vocab > tok.vocab_size()
+                                  ? ", among the byte tokenizer's " + std::to_string(tok.vocab_size()) + " of " +
+                                        std::to_string(model.config().vocab) + " ids"
+                                  : std::string();
+    say("---- sample (temperature %.2f%s) ----\n%s\n----\n", static_cast<double>(o.temperature), among.c_str(),
+        tok.decode(ids).c_str());
   }
   return 0;
 }

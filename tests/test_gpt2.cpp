@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -16,6 +17,7 @@
 #include "llmpar/optim/adamw.hpp"
 #include "llmpar/optim/schedule.hpp"
 #include "llmpar/testing/gradcheck.hpp"
+#include "llmpar/train/sample.hpp"
 #include "model_test_util.hpp"
 
 using namespace llmpar;
@@ -37,6 +39,23 @@ TEST_CASE("GPT-2 gradients of every parameter match central finite differences i
   CHECK(result.ok());
   MESSAGE("checked ", result.checked, " gradient elements; worst: ", result.summary());
   CHECK(result.checked > 200);
+}
+
+TEST_CASE("sampling draws the same tokens from the same seed, among the first vocab ids when asked") {
+  backend::cpu::Context ctx;
+  const auto cfg = small_config();
+  models::GPT2<float> model(cfg, 7);
+  const std::vector<std::int32_t> prompt{1, 2};
+  const auto all = train::sample(ctx, model, prompt, {.tokens = 40, .temperature = 2.0f, .seed = 3});
+  CHECK(all == train::sample(ctx, model, prompt, {.tokens = 40, .temperature = 2.0f, .seed = 3}));
+  CHECK(all.size() == 42);
+  CHECK(std::any_of(all.begin() + 2, all.end(), [](std::int32_t t) { return t >= 4; }));  // at 2.0, ids above 4 come
+  const auto few = train::sample(ctx, model, prompt, {.tokens = 40, .temperature = 2.0f, .seed = 3, .vocab = 4});
+  CHECK(std::all_of(few.begin() + 2, few.end(), [](std::int32_t t) { return t >= 0 && t < 4; }));
+  CHECK_THROWS_WITH_AS(train::sample(ctx, model, prompt, {.tokens = 1, .vocab = -1}),
+                       doctest::Contains("sampling vocab is -1; give the number of ids to draw among, or 0 for the "
+                                         "model's 11"),
+                       Error);
 }
 
 TEST_CASE("padded vocabulary rows get no gradient and stay zero") {

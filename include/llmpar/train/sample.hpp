@@ -6,7 +6,9 @@
 // position's logits are copied to the host (from the device on the CUDA backend) and
 // the draw happens there, so both backends sample alike. A model split over a
 // tensor-parallel group gathers that one row over the group (Model::logits_row): every
-// rank draws the same token.
+// rank draws the same token. SampleConfig::vocab draws among the first ids only (the
+// softmax over those logits): the ids a tokenizer can decode, when the model's
+// vocabulary is larger (a GPT-2 or Llama vocabulary trained on bytes).
 #pragma once
 
 #include <algorithm>
@@ -24,6 +26,7 @@ struct SampleConfig {
   std::int64_t tokens = 256;
   float temperature = 0.8f;
   std::uint64_t seed = 1337;
+  std::int64_t vocab = 0;  // draw among ids [0, vocab) (0: every id of the model's vocabulary)
 };
 
 // Returns prompt followed by cfg.tokens sampled tokens.
@@ -33,8 +36,11 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
   LLMPAR_CHECK(!prompt.empty(), "sampling needs a prompt of at least one token");
   LLMPAR_CHECK(cfg.temperature > 0.0f, "temperature is ", cfg.temperature, "; it must be positive");
   const auto& mc = model.config();
+  LLMPAR_CHECK(cfg.vocab >= 0, "sampling vocab is ", cfg.vocab,
+               "; give the number of ids to draw among, or 0 for the model's ", mc.vocab);
+  const std::int64_t V = cfg.vocab > 0 ? std::min<std::int64_t>(cfg.vocab, mc.vocab) : mc.vocab;
   using Acc = float;
-  Buffer<Acc> probs(mc.vocab);
+  Buffer<Acc> probs(V);
   Buffer<typename Model::value_type> row(mc.padded_vocab);  // the model's logits, in its storage type
   const rng::Stream stream = rng::Stream::named(cfg.seed, "sample");
   // A model split by sequence parallelism takes sequences of a multiple of its degree:
@@ -51,11 +57,11 @@ std::vector<std::int32_t> sample(typename Model::Context& ctx, Model& model, std
     window.assign(prompt.end() - len, prompt.end());
     window.resize(static_cast<std::size_t>(padded), 0);
     model.logits_row(ctx, row.data(), window.data(), 1, padded, len - 1);
-    backend::cpu::softmax_forward(probs.data(), row.data(), mc.vocab, static_cast<Acc>(cfg.temperature));
+    backend::cpu::softmax_forward(probs.data(), row.data(), V, static_cast<Acc>(cfg.temperature));
     const double u = stream.uniform(static_cast<std::uint64_t>(i));
     double cdf = 0.0;
-    std::int32_t next = static_cast<std::int32_t>(mc.vocab - 1);
-    for (std::int64_t v = 0; v < mc.vocab; ++v) {
+    std::int32_t next = static_cast<std::int32_t>(V - 1);
+    for (std::int64_t v = 0; v < V; ++v) {
       cdf += probs[v];
       if (u < cdf) {
         next = static_cast<std::int32_t>(v);
