@@ -1,8 +1,9 @@
-// bench_context_parallel — how much of ring attention's communication is exposed: a
-// Llama-like attention layer (8 query heads, grouped-query kv heads, no biases, fp32,
+// bench_context_parallel — how much of context parallelism's communication is exposed:
+// a Llama-like attention layer (8 query heads, grouped-query kv heads, no biases, fp32,
 // batch 1) under context parallelism on cp = 2 and 4 ranks, its forward and backward
-// with the real ring (nn::SelfAttention over a ContextParallelGroup), against the same
-// ring kernels with no communication at all.
+// with the real exchanges (nn::SelfAttention over a ContextParallelGroup: ring attention,
+// and the all-to-all over the heads where cp divides the kv heads), against the same
+// kernels with no communication at all.
 //
 //   build/benchmarks/bench_context_parallel                          # thread ranks, cp 2 and 4
 //   OMP_NUM_THREADS=1 mpirun -np 2 build/benchmarks/bench_context_parallel   # cp 2 processes
@@ -37,6 +38,12 @@
 //   MiB_sent     bytes one rank sends per layer, forward + backward: the K/V block
 //                (B·T/cp rows of 2·KVH·hs values of T) cp - 1 times in forward and again
 //                in backward, and its dK/dV (f32) cp times in backward.
+// The all-to-all (".../a2a") runs the whole-sequence kernels (attention_forward and
+// _backward over 1/cp of the heads), between exchanges that nothing hides: its core_ms
+// is the time between the projections' GEMMs (the exchanges, their packing and the
+// kernels), compute_ms the two kernels replayed, comm_ms its five all-to-alls alone
+// (qkv and the output forward; the output, its gradient and qkv's backward), MiB_sent
+// the (cp - 1)/cp of them that leaves the rank.
 // Each is the median of the timed passes on a rank, averaged over the ranks.
 //
 // The replay is honest compute, not an estimate from the serial layer: a block's cost
@@ -87,6 +94,7 @@ struct KernelLog {
   Clock::time_point core_start;
   double core_seconds = 0.0;    // inside the ring core since the last reset
   double kernel_seconds = 0.0;  // inside its kernels since the last reset
+  bool between_gemms = false;   // the all-to-all: the core is what runs between GEMMs
 
   void open() {
     if (!in_core) core_start = Clock::now(), in_core = true;
@@ -112,6 +120,18 @@ struct TimedCpu : backend::Cpu {
                    std::int64_t k, GemmOp op) {
     ctx.log.close();  // the backward core ends where the QKV projection's backward begins
     Cpu::gemm<E, TC>(ctx, c, a, b, bias, m, n, k, op);
+    if (ctx.log.between_gemms) ctx.log.open();
+  }
+  template <class E>
+  static void attention_forward(Context& ctx, E* out, Acc<E>* lse, const E* qkv, const AttentionShape& shape) {
+    run(ctx, [&ctx, out, lse, qkv, shape] { Cpu::attention_forward(ctx.base(), out, lse, qkv, shape); });
+  }
+  template <class E>
+  static void attention_backward(Context& ctx, E* dqkv, const E* dout, const E* qkv, const E* out, const Acc<E>* lse,
+                                 const AttentionShape& shape) {
+    run(ctx, [&ctx, dqkv, dout, qkv, out, lse, shape] {
+      Cpu::attention_backward(ctx.base(), dqkv, dout, qkv, out, lse, shape);
+    });
   }
   template <class A>
   static void attention_state_init(Context& ctx, const AttentionState<A>& st, const AttentionShape& shape) {
@@ -164,13 +184,20 @@ struct Case {
   int cp = 2;
   int passes = 3;
   std::int64_t dim = 256, heads = 8, kv_heads = 2, seq = 2048;
+  nn::CpComm how = nn::CpComm::ring;
   std::string name(const std::string& engine) const {
     return engine + "/cp:" + std::to_string(cp) + "/C:" + std::to_string(dim) + "/kvh:" + std::to_string(kv_heads) +
-           "/T:" + std::to_string(seq);
+           "/T:" + std::to_string(seq) + (how == nn::CpComm::ring ? "" : "/a2a");
   }
+  std::int64_t rows() const { return seq / cp; }  // batch 1
+  std::int64_t head_dim() const { return dim / heads; }
   // Elements of one rank's K/V block: B·T/cp rows of 2·KVH·hs (batch 1).
-  std::size_t block() const { return static_cast<std::size_t>(seq / cp * 2 * kv_heads * (dim / heads)); }
+  std::size_t block() const { return static_cast<std::size_t>(rows() * 2 * kv_heads * head_dim()); }
+  // Elements of one rank's qkv rows and of its output rows (the all-to-all's exchanges).
+  std::size_t qkv() const { return static_cast<std::size_t>(rows() * (heads + 2 * kv_heads) * head_dim()); }
+  std::size_t output() const { return static_cast<std::size_t>(rows() * dim); }
   double mib_sent() const {
+    if (how == nn::CpComm::all_to_all) return (2.0 * qkv() + 3.0 * output()) * sizeof(T) * (cp - 1) / cp / (1 << 20);
     const double n = static_cast<double>(block());
     return ((2.0 * (cp - 1)) * n * sizeof(T) + cp * n * sizeof(Acc)) / (1 << 20);
   }
@@ -201,15 +228,23 @@ void exchanges_alone(comm::Comm& cp, std::vector<T>& kv, std::vector<T>& kv_in, 
   }
 }
 
+// The all-to-all's exchanges with nothing between them: qkv and the output forward, the
+// output, its gradient and qkv's gradient backward (nn/context_parallel.hpp).
+void all_to_alls_alone(comm::Comm& cp, std::vector<T>& send, std::vector<T>& recv, const Case& c) {
+  for (std::size_t n : {c.qkv(), c.output(), c.output(), c.output(), c.qkv()})
+    cp.all_to_all(std::span<const T>(send.data(), n), std::span<T>(recv.data(), n));
+}
+
 // One rank's measurements; `world` is the cp group.
 Measured run_rank(comm::Comm& world, const Case& c) {
   TimedContext ctx;
+  ctx.log.between_gemms = c.how == nn::CpComm::all_to_all;
   nn::SelfAttention<T, TimedCpu> layer("attn.qkv", "attn.proj",
                                        {.dim = c.dim, .heads = c.heads, .kv_heads = c.kv_heads, .bias = false});
   nn::ParameterStore<T> store;
   store.bind(layer);
   store.initialize(1337);
-  const nn::ContextParallelGroup cp(&world);
+  const nn::ContextParallelGroup cp(&world, c.how);
   cp.check_sequence(c.seq);
   layer.set_context_parallel(cp);
   const std::int64_t seq = cp.local(c.seq), rows = seq;  // batch 1
@@ -223,21 +258,31 @@ Measured run_rank(comm::Comm& world, const Case& c) {
   auto pass = [&] {
     layer.forward(ctx, saved, out.data(), x.data(), 1, seq);
     layer.backward(ctx, saved, dx.data(), dout.data(), x.data(), 1, seq);
+    ctx.log.close();  // the all-to-all's core opens after the last GEMM
   };
   pass();  // warm-up: buffers, GEMM primitives
   ctx.log.recording = true;
   pass();
   ctx.log.recording = false;
   // The ring's kernels per pass: state init, finish and dsum, and each of the 2 cp + 1
-  // blocks (nn/context_parallel.hpp) forward and backward.
-  const std::size_t ring_calls = 3 + 2 * static_cast<std::size_t>(2 * c.cp + 1);
-  LLMPAR_CHECK(ctx.log.calls.size() == ring_calls, "the recorded pass ran ", ctx.log.calls.size(),
-               " attention kernels, but ring attention on cp ", c.cp, " runs ", ring_calls,
-               "; the layer's core is no longer the ring this benchmark times");
+  // blocks (nn/context_parallel.hpp) forward and backward; the all-to-all's: the
+  // whole-sequence forward and backward.
+  const bool ring = c.how == nn::CpComm::ring;
+  const std::size_t core_calls = ring ? 3 + 2 * static_cast<std::size_t>(2 * c.cp + 1) : 2;
+  LLMPAR_CHECK(ctx.log.calls.size() == core_calls, "the recorded pass ran ", ctx.log.calls.size(),
+               " attention kernels, but ", nn::cp_comm_name(c.how), " on cp ", c.cp, " runs ", core_calls,
+               "; the layer's core is no longer the one this benchmark times");
 
   std::vector<T> kv(c.block()), kv_in(c.block());
   std::vector<Acc> dkv(c.block()), dkv_in(c.block());
-  exchanges_alone(world, kv, kv_in, dkv, dkv_in);  // warm-up
+  std::vector<T> send(c.qkv()), recv(c.qkv());
+  const auto exchanges = [&] {
+    if (ring)
+      exchanges_alone(world, kv, kv_in, dkv, dkv_in);
+    else
+      all_to_alls_alone(world, send, recv, c);
+  };
+  exchanges();  // warm-up
   // The three measurements in turn, so that they see the same state of the machine.
   std::vector<double> layer_s, core_s, waiting_s, compute_s, comm_s;
   for (int i = 0; i < c.passes; ++i) {
@@ -255,7 +300,7 @@ Measured run_rank(comm::Comm& world, const Case& c) {
     compute_s.push_back(seconds_since(t0));
     world.barrier();
     t0 = Clock::now();
-    exchanges_alone(world, kv, kv_in, dkv, dkv_in);
+    exchanges();
     comm_s.push_back(seconds_since(t0));
   }
   std::vector<float> m{median_ms(layer_s), median_ms(core_s), median_ms(waiting_s), median_ms(compute_s),
@@ -306,21 +351,25 @@ void register_case(const std::string& engine, comm::Comm* mpi_world, const Case&
 }
 
 // cp 2 and 4 (under mpirun: the world's size), two layer widths (C 256 with 2 kv heads,
-// C 512 with 4), each sequence length of the options.
+// C 512 with 4), each sequence length of the options; ring attention, and the
+// all-to-all where cp divides the kv heads.
 void register_all(const std::string& engine, comm::Comm* mpi_world, const Options& o) {
   const std::vector<int> cps = mpi_world ? std::vector<int>{mpi_world->size()} : std::vector<int>{2, 4};
   for (int cp : cps)
     for (const auto& [dim, kv_heads] : {std::pair<std::int64_t, std::int64_t>{256, 2}, {512, 4}})
       for (std::int64_t seq : o.seqs)
-        register_case(engine, mpi_world,
-                      {.cp = cp, .passes = o.passes, .dim = dim, .heads = 8, .kv_heads = kv_heads, .seq = seq});
+        for (nn::CpComm how : {nn::CpComm::ring, nn::CpComm::all_to_all})
+          if (how == nn::CpComm::ring || kv_heads % cp == 0)
+            register_case(
+                engine, mpi_world,
+                {.cp = cp, .passes = o.passes, .dim = dim, .heads = 8, .kv_heads = kv_heads, .seq = seq, .how = how});
 }
 
 // Google Benchmark's flags are taken first; the rest must be these. Empty after --help
 // or a bad flag, with the exit code in *exit_code.
 std::optional<Options> parse_options(int argc, char** argv, int* exit_code) {
   Options o;
-  CLI::App app{"bench_context_parallel: ring attention's exposed communication per layer"};
+  CLI::App app{"bench_context_parallel: context parallelism's exposed communication per layer (ring and all-to-all)"};
   app.add_option("--seq", o.seqs, "Sequence lengths (tokens; batch 1), each a multiple of 2 x cp")
       ->capture_default_str();
   app.add_option("--passes", o.passes, "Timed passes per measurement (the median is reported)")
