@@ -140,7 +140,7 @@ inline void check_pointer(const char* who, const void* p, const char* name) {
   LLMPAR_CHECK(p != nullptr, who, ": ", name, " is null; pass a device buffer (rows > 0)");
 }
 
-#if defined(__CUDACC__)
+#if defined(LLMPAR_DEVICE_CODE)
 
 // Per-warp partials in shared memory (plain arrays: a __shared__ variable cannot have
 // the default member initialisers of math::Welford).
@@ -516,8 +516,8 @@ void launch_forward(cudaStream_t stream, const char* who, T* out, T* sum, float*
                " blocks, more than a CUDA grid holds; normalise the rows in several calls");
   const bool vectorized = C % Pack<T>::kSize == 0 && aligned16(out) && aligned16(sum) && aligned16(x) && aligned16(b) &&
                           aligned16(weight) && aligned16(bias);
-  norm_forward_kernel<T, kNorm, kResidual><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(
-      out, sum, mean, rstd, x, b, weight, bias, rows, static_cast<int>(C), eps, geo.group, vectorized);
+  launch_kernel(&norm_forward_kernel<T, kNorm, kResidual>, static_cast<unsigned>(blocks), kBlockThreads, 0, stream, out,
+                sum, mean, rstd, x, b, weight, bias, rows, static_cast<int>(C), eps, geo.group, vectorized);
   LLMPAR_CHECK_LAUNCH(who);
 }
 
@@ -529,18 +529,18 @@ void launch_backward(cudaStream_t stream, const char* who, T* dx, float* dweight
   const BackwardPlan plan = backward_plan<T>(rows, C);
   const bool vectorized = C % Pack<T>::kSize == 0 && aligned16(dx) && aligned16(dout) && aligned16(dresidual) &&
                           aligned16(x) && aligned16(weight);
-  norm_backward_kernel<T, kNorm, kResidual><<<static_cast<unsigned>(plan.blocks), kBlockThreads, 0, stream>>>(
-      dx, workspace, dout, dresidual, x, weight, mean, rstd, rows, static_cast<int>(C), plan.rows_per_block,
-      plan.geo.group, vectorized, accumulate_dx);
+  launch_kernel(&norm_backward_kernel<T, kNorm, kResidual>, static_cast<unsigned>(plan.blocks), kBlockThreads, 0,
+                stream, dx, workspace, dout, dresidual, x, weight, mean, rstd, rows, static_cast<int>(C),
+                plan.rows_per_block, plan.geo.group, vectorized, accumulate_dx);
   LLMPAR_CHECK_LAUNCH(who);
   const std::int64_t final_blocks = ceil_div(kParts * C, kFinalThreads);
   LLMPAR_CHECK(final_blocks <= kMaxGridX, who, ": C = ", C, " is too large for one grid");
-  norm_param_grad_kernel<kParts><<<static_cast<unsigned>(final_blocks), kFinalThreads, 0, stream>>>(
-      dweight, dbias, workspace, static_cast<int>(plan.blocks), C);
+  launch_kernel(&norm_param_grad_kernel<kParts>, static_cast<unsigned>(final_blocks), kFinalThreads, 0, stream, dweight,
+                dbias, workspace, static_cast<int>(plan.blocks), C);
   LLMPAR_CHECK_LAUNCH(who);
 }
 
-#endif  // __CUDACC__
+#endif  // LLMPAR_DEVICE_CODE
 
 }  // namespace detail::norm
 
@@ -556,7 +556,7 @@ inline std::int64_t rmsnorm_backward_workspace(std::int64_t rows, std::int64_t C
   return detail::norm::backward_blocks_bound(rows) * C;
 }
 
-#if defined(__CUDACC__)
+#if defined(LLMPAR_DEVICE_CODE)
 
 // out, x: (rows, C); weight, bias: (C); mean, rstd: (rows) or null.
 template <Storage T>
@@ -697,6 +697,6 @@ void residual_rmsnorm_backward(cudaStream_t stream, T* dx, float* dweight, const
                                                                   x, weight, nullptr, rstd, workspace, rows, C, false);
 }
 
-#endif  // __CUDACC__
+#endif  // LLMPAR_DEVICE_CODE
 
 }  // namespace llmpar::kernels

@@ -26,7 +26,10 @@
 //    is a buffer per CTA, 128-byte aligned, filled with 0xFF bytes (NaN in every float
 //    type) at the start of each CTA and followed by 256 more 0xFF bytes, checked when the
 //    CTA ends (a write past the launch's shared_bytes).
-//  - Warp collectives (__shfl_xor_sync, __syncwarp, mma.m16n8k16, ldmatrix) exchange the
+//  - Static __shared__ variables are static thread_local ones: one per CTA in flight
+//    (not NaN-filled, unlike the dynamic shared memory).
+//  - Warp collectives (__shfl_xor_sync, __shfl_down_sync, __shfl_sync, __syncwarp,
+//    mma.m16n8k16, ldmatrix) exchange the
 //    lanes' operands through a per-warp buffer; all 32 lanes must make the same call
 //    (else: an error naming both calls). mma.m16n8k16 multiplies exactly (the products
 //    of 16-bit operands are exact in float), sums the 16 products and C in double and
@@ -75,6 +78,10 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+// A CTA's threads are fibers of one OS thread and CTAs run one after another on it, so
+// a static thread_local variable is one per CTA in flight: CUDA's __shared__ variable
+// (zero at first, then what the previous CTA left, where the hardware's is undefined).
+#define __shared__ static thread_local
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -479,6 +486,29 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   if (mask != 0xFFFFFFFFu || width != 32) cta.fail("__shfl_xor_sync with a partial mask or width is not emulated");
   const auto all = cta.exchange("__shfl_xor_sync", value);
   return all[((cta.thread() % 32) ^ lane_mask) & 31];
+}
+
+template <class T>
+T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
+  auto& cta = llmpar::emulation::detail::running_cta();
+  if (mask != 0xFFFFFFFFu || width != 32) cta.fail("__shfl_down_sync with a partial mask or width is not emulated");
+  const auto all = cta.exchange("__shfl_down_sync", value);
+  const unsigned lane = static_cast<unsigned>(cta.thread() % 32);
+  return lane + delta < 32 ? all[lane + delta] : value;  // lanes past the end keep their own value
+}
+
+template <class T>
+T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
+  auto& cta = llmpar::emulation::detail::running_cta();
+  if (mask != 0xFFFFFFFFu || width != 32) cta.fail("__shfl_sync with a partial mask or width is not emulated");
+  const auto all = cta.exchange("__shfl_sync", value);
+  return all[src_lane & 31];
+}
+
+// a + b rounded once, never contracted into an FMA with a neighbouring product.
+inline float __fadd_rn(float a, float b) {
+  volatile float sum = a + b;
+  return sum;
 }
 
 // ---- CUDA's runtime API, the calls llmpar's kernel headers make ---------------------------
