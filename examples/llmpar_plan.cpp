@@ -965,11 +965,13 @@ int main(int argc, char** argv) {
     const std::vector<Candidate> all =
         search(o, world, c, cp_flag->count() > 0 ? std::optional<int>(o.cp) : std::nullopt, cp_comm_flag->count() > 0,
                &refused, &cp_note);
+    const double parameters = static_cast<double>(model_shape(o).parameters);
     std::printf(
-        "%s (%.2fB parameters, seq %lld, global batch %lld) on %s: %zu layouts of %d ranks (%zu refused "
+        "%s (%.*f%s parameters, seq %lld, global batch %lld) on %s: %zu layouts of %d ranks (%zu refused "
         "by train_gpt's checks)\n",
-        o.model.c_str(), static_cast<double>(model_shape(o).parameters) * 1e-9, static_cast<long long>(*o.seq),
-        static_cast<long long>(*o.global_batch), c.name.c_str(), all.size(), world, refused);
+        o.model.c_str(), parameters < 1e9 ? 1 : 2, parameters < 1e9 ? parameters * 1e-6 : parameters * 1e-9,
+        parameters < 1e9 ? "M" : "B", static_cast<long long>(*o.seq), static_cast<long long>(*o.global_batch),
+        c.name.c_str(), all.size(), world, refused);
     if (!cp_note.empty()) std::printf("context parallelism not searched: train_gpt says: %s\n", cp_note.c_str());
     LLMPAR_CHECK(!all.empty(), "no layout of ", world, " ranks is valid for this model and global batch");
     std::printf("%4s  %-58s %10s %9s %7s %9s %9s  %s\n", "rank", "layout", "step (s)", "MFU", "bubble", "mem GiB",
