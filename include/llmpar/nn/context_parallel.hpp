@@ -311,26 +311,50 @@ class ContextParallelCore {
     return {l.batch, l.seq * cp.size(), l.heads / cp.size(), l.kv_heads / cp.size(), l.head_dim};
   }
 
+  // How `groups` blocks of a row split over the cp ranks: N rows (B·S) of groups·block,
+  // part = block / cp of each block per rank, W = groups·part per rank; c rows per
+  // chunk, `whole` rows per whole sequence.
+  struct HeadParts {
+    int P;
+    std::int64_t batch, seq, N, block, part, W, groups, c, whole;
+    std::int64_t count() const { return N * groups * block; }  // one rank's elements, sent or received
+  };
+  static HeadParts head_parts(const ContextParallelGroup& cp, const AttentionShape& l, std::int64_t groups) {
+    const int P = cp.size();
+    const std::int64_t block = l.kv_heads * l.head_dim;
+    return {P, l.batch, l.seq, l.batch * l.seq, block, block / P, groups * (block / P), groups, l.seq / 2, l.seq * P};
+  }
+  // f(packed, row) for part p of block g: its offset in the exchange buffer ([cp rank
+  // p][row][its part of every block], rows W apart) and in a row (rows groups·block apart).
+  template <class F>
+  static void for_each_part(const HeadParts& h, F&& f) {
+    for (int p = 0; p < h.P; ++p)
+      for (std::int64_t g = 0; g < h.groups; ++g) f(p * h.N * h.W + g * h.part, g * h.block + p * h.part);
+  }
+  // f(packed, at) for each chunk of c rows cp rank q holds: its offset in the exchange
+  // buffer ([cp rank q][q's rows]) and in the whole sequences (q's chunk_of(q, half)).
+  template <class F>
+  static void for_each_chunk(const ContextParallelGroup& cp, const HeadParts& h, F&& f) {
+    for (int q = 0; q < h.P; ++q)
+      for (std::int64_t s = 0; s < h.batch; ++s)
+        for (int half = 0; half < 2; ++half)
+          f((q * h.N + s * h.seq + half * h.c) * h.W, (s * h.whole + cp.chunk_of(q, half) * h.c) * h.W);
+  }
+
   // heads (B·T, groups·part) = every row, in sequence order, of this rank's part of
   // rows (B·S, groups·block): the cp ranks' rows of its heads. heads may be rows.
   static void to_heads(Context& ctx, const ContextParallelGroup& cp, T* heads, const T* rows, const AttentionShape& l,
                        std::int64_t groups, Buffers& b) {
     if constexpr (kAllToAll) {
-      const int P = cp.size();
-      const std::int64_t N = l.batch * l.seq, block = l.kv_heads * l.head_dim, part = block / P, W = groups * part,
-                         c = l.seq / 2, whole = l.seq * P;
-      b.send.reserve(N * groups * block);
-      b.recv.reserve(N * groups * block);
-      for (int p = 0; p < P; ++p)  // send: [cp rank p][row][its part of every block]
-        for (std::int64_t g = 0; g < groups; ++g)
-          Backend::copy_2d(ctx, b.send.data() + p * N * W + g * part, W, rows + g * block + p * part, groups * block, N,
-                           part);
-      exchange(ctx, cp, b, static_cast<std::size_t>(N * groups * block));
-      for (int q = 0; q < P; ++q)  // recv: [cp rank q][q's rows]; q's row (b, half, t) is at chunk_of(q, half)
-        for (std::int64_t s = 0; s < l.batch; ++s)
-          for (int half = 0; half < 2; ++half)
-            Backend::copy(ctx, heads + (s * whole + cp.chunk_of(q, half) * c) * W,
-                          b.recv.data() + (q * N + s * l.seq + half * c) * W, c * W);
+      const HeadParts h = head_parts(cp, l, groups);
+      T* send = reserve(b.send, h);
+      for_each_part(h, [&](std::int64_t packed, std::int64_t row) {
+        Backend::copy_2d(ctx, send + packed, h.W, rows + row, h.groups * h.block, h.N, h.part);
+      });
+      const T* recv = exchange(ctx, cp, b, h);
+      for_each_chunk(cp, h, [&](std::int64_t packed, std::int64_t at) {
+        Backend::copy(ctx, heads + at, recv + packed, h.c * h.W);
+      });
     } else {
       unsupported(ctx, cp, heads, rows, l, groups, b);
     }
@@ -341,28 +365,30 @@ class ContextParallelCore {
   static void to_rows(Context& ctx, const ContextParallelGroup& cp, T* rows, const T* heads, const AttentionShape& l,
                       std::int64_t groups, Buffers& b) {
     if constexpr (kAllToAll) {
-      const int P = cp.size();
-      const std::int64_t N = l.batch * l.seq, block = l.kv_heads * l.head_dim, part = block / P, W = groups * part,
-                         c = l.seq / 2, whole = l.seq * P;
-      b.send.reserve(N * groups * block);
-      b.recv.reserve(N * groups * block);
-      for (int q = 0; q < P; ++q)  // send: [cp rank q][q's rows of this rank's heads]
-        for (std::int64_t s = 0; s < l.batch; ++s)
-          for (int half = 0; half < 2; ++half)
-            Backend::copy(ctx, b.send.data() + (q * N + s * l.seq + half * c) * W,
-                          heads + (s * whole + cp.chunk_of(q, half) * c) * W, c * W);
-      exchange(ctx, cp, b, static_cast<std::size_t>(N * groups * block));
-      for (int p = 0; p < P; ++p)  // recv: [cp rank p][row][its part of every block]
-        for (std::int64_t g = 0; g < groups; ++g)
-          Backend::copy_2d(ctx, rows + g * block + p * part, groups * block, b.recv.data() + p * N * W + g * part, W, N,
-                           part);
+      const HeadParts h = head_parts(cp, l, groups);
+      T* send = reserve(b.send, h);
+      for_each_chunk(cp, h, [&](std::int64_t packed, std::int64_t at) {
+        Backend::copy(ctx, send + packed, heads + at, h.c * h.W);
+      });
+      const T* recv = exchange(ctx, cp, b, h);
+      for_each_part(h, [&](std::int64_t packed, std::int64_t row) {
+        Backend::copy_2d(ctx, rows + row, h.groups * h.block, recv + packed, h.W, h.N, h.part);
+      });
     } else {
       unsupported(ctx, cp, rows, heads, l, groups, b);
     }
   }
-  static void exchange(Context& ctx, const ContextParallelGroup& cp, Buffers& b, std::size_t n) {
+  static T* reserve(Buffer<T, typename Backend::Space>& buffer, const HeadParts& h) {
+    buffer.reserve(h.count());
+    return buffer.data();
+  }
+  // The packed send buffer to every cp rank, each rank's block into recv; returns recv.
+  static const T* exchange(Context& ctx, const ContextParallelGroup& cp, Buffers& b, const HeadParts& h) {
+    const auto n = static_cast<std::size_t>(h.count());
+    b.recv.reserve(h.count());
     Backend::synchronize(ctx);  // the packed buffer is written before the engine reads it
     cp.communicator()->all_to_all(std::span<const T>(b.send.data(), n), std::span<T>(b.recv.data(), n));
+    return b.recv.data();
   }
 
   // qkv: every row of this rank's heads (prepare); out and lse: this rank's rows.
